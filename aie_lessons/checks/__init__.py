@@ -1,0 +1,11 @@
+"""Check cells' logic: each function tests one exercise and names the typical mistake.
+
+A check never compares against the package's own copy of the exercise (that could be the
+learner's code after ``aie commit``): it recomputes the expected result from the published
+formula, and when the answer is wrong it tries the usual wrong answers to say which one it was.
+"""
+
+from aie_lessons.checks import stage01
+from aie_lessons.checks.common import CheckFailed
+
+__all__ = ["CheckFailed", "stage01"]

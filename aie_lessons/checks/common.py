@@ -1,0 +1,45 @@
+"""Helpers shared by every stage's checks."""
+
+from __future__ import annotations
+
+import torch
+
+
+class CheckFailed(AssertionError):
+    """An exercise's result is wrong; the message says how."""
+
+
+def fail(exercise: str, message: str) -> None:
+    raise CheckFailed(f"Exercise {exercise}: {message}")
+
+
+def passed(exercise: str, what: str) -> None:
+    print(f"✓ Exercise {exercise} passed: {what}")
+
+
+def close(a: torch.Tensor, b: torch.Tensor, atol: float = 1e-5) -> bool:
+    return a.shape == b.shape and torch.allclose(a.float(), b.float(), atol=atol, rtol=1e-4)
+
+
+def call(exercise: str, fn, *args, hint: str = ""):
+    """Call the learner's function; turn a crash inside it into a message that names the exercise.
+
+    ``NotImplementedError`` passes through untouched: its own message already says which exercise
+    is still a stub.
+    """
+    try:
+        return fn(*args)
+    except NotImplementedError:
+        raise
+    except Exception as exc:  # the learner's code may raise anything; we report it, not hide it
+        raise CheckFailed(
+            f"Exercise {exercise}: your code raised {type(exc).__name__}: {exc}"
+            + (f"\nHint: {hint}" if hint else "")
+        ) from exc
+
+
+def expect_shape(exercise: str, name: str, got: torch.Tensor, expected: tuple) -> None:
+    if not isinstance(got, torch.Tensor):
+        fail(exercise, f"{name} should be a tensor, got {type(got).__name__}")
+    if tuple(got.shape) != tuple(expected):
+        fail(exercise, f"expected {name} of shape {tuple(expected)}, got {tuple(got.shape)}")

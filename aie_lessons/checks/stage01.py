@@ -1,0 +1,201 @@
+"""Checks for stage 01: RMSNorm, RoPE, the greedy step and the streaming detokenizer."""
+
+from __future__ import annotations
+
+import torch
+
+from aie_lessons.checks.common import call, close, expect_shape, fail, passed
+
+# Sizes chosen so that batch, heads, sequence and head_dim all differ: a wrong permute or a
+# broadcast along the wrong axis then fails with a shape error instead of passing by luck.
+BATCH, HEADS, SEQ, HEAD_DIM, HIDDEN = 2, 3, 5, 8, 12
+EPS = 1e-5
+
+
+def _generator() -> torch.Generator:
+    return torch.Generator().manual_seed(1234)
+
+
+# --- 1.1 RMSNorm -------------------------------------------------------------------------------
+
+
+def check_rms_norm(rms_norm) -> None:
+    g = _generator()
+    x = torch.randn(BATCH, SEQ, HIDDEN, generator=g) * 3 + 1  # nonzero mean exposes LayerNorm
+    weight = torch.rand(HIDDEN, generator=g) + 0.5
+    hint = "rms_norm(x, weight, eps) normalizes over the last dimension"
+    got = call("1.1", rms_norm, x, weight, EPS, hint=hint)
+    expect_shape("1.1", "the output", got, x.shape)
+
+    def norm_over(dim):
+        return x * torch.rsqrt(x.pow(2).mean(dim=dim, keepdim=True) + EPS)
+
+    expected = norm_over(-1) * weight
+    if not close(got, expected, atol=1e-4):
+        centered = x - x.mean(-1, keepdim=True)
+        mistakes = {
+            "you subtracted the mean: that is LayerNorm. RMSNorm divides by the root-mean-square "
+            "of x itself, sqrt(mean(x²) + eps)": centered * torch.rsqrt(centered.pow(2).mean(-1, keepdim=True) + EPS) * weight,
+            "you divided by mean(x²) + eps without the square root": x / (x.pow(2).mean(-1, keepdim=True) + EPS) * weight,
+            "the result is not multiplied by `weight`": norm_over(-1),
+            "you normalized over the wrong dimension: the mean of x² must be over the last "
+            "(hidden) dimension, dim=-1": norm_over(1) * weight,
+            "you took the mean over all dimensions: it must be per vector, over dim=-1 "
+            "with keepdim=True": x * torch.rsqrt(x.pow(2).mean() + EPS) * weight,
+        }
+        for message, wrong in mistakes.items():
+            if close(got, wrong, atol=1e-4):
+                fail("1.1", message)
+        error = (got.float() - expected).abs().max().item()
+        fail("1.1", f"output differs from x / sqrt(mean(x²) + eps) * weight by up to {error:.3g}")
+
+    zeros = torch.zeros(1, 1, HIDDEN)
+    got_zero = call("1.1", rms_norm, zeros, weight, EPS, hint=hint)
+    if not torch.isfinite(got_zero).all():
+        fail("1.1", "a vector of zeros gives NaN or inf: add eps *inside* the square root, "
+                    "sqrt(mean(x²) + eps)")
+
+    x16 = x.to(torch.bfloat16)
+    got16 = call("1.1", rms_norm, x16, weight.to(torch.bfloat16), EPS, hint=hint)
+    if got16.dtype != torch.bfloat16:
+        fail("1.1", f"a bfloat16 input gave a {got16.dtype} output: compute in float32, then "
+                    "cast the result back with .to(x.dtype)")
+    reference16 = (norm_over(-1) * weight).to(torch.bfloat16)
+    if not close(got16, reference16, atol=3e-2):
+        fail("1.1", "in bfloat16 the result is off by more than rounding: compute mean(x²) in "
+                    "float32 (x.float()) and cast back at the end")
+    passed("1.1", "RMSNorm matches x / sqrt(mean(x²) + eps) * weight, in fp32 and bf16")
+
+
+# --- 1.2 RoPE ---------------------------------------------------------------------------------
+
+
+def _rope_tables(positions: torch.Tensor, head_dim: int, theta: float = 10000.0):
+    inv_freq = theta ** (-torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    angles = positions.float()[..., None] * inv_freq
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos(), angles.sin()
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([-x2, x1], dim=-1)
+
+
+def _rotate_interleaved(x, cos, sin):
+    """RoPE with adjacent pairs (x0, x1), (x2, x3): the convention of Meta's and GGUF's code."""
+    half = x.shape[-1] // 2
+    c, s = cos[..., :half], sin[..., :half]
+    even, odd = x[..., 0::2], x[..., 1::2]
+    out = torch.empty_like(x)
+    out[..., 0::2] = even * c - odd * s
+    out[..., 1::2] = even * s + odd * c
+    return out
+
+
+def check_apply_rope(apply_rope) -> None:
+    g = _generator()
+    x = torch.randn(BATCH, HEADS, SEQ, HEAD_DIM, generator=g)
+    positions = torch.arange(SEQ).expand(BATCH, SEQ) + torch.tensor([[0], [7]])
+    cos, sin = _rope_tables(positions, HEAD_DIM)
+    hint = "cos and sin are (B, S, D); x is (B, H, S, D): add the head axis with cos.unsqueeze(1)"
+    got = call("1.2", apply_rope, x, cos, sin, hint=hint)
+    expect_shape("1.2", "the rotated tensor", got, x.shape)
+
+    c, s = cos.unsqueeze(1), sin.unsqueeze(1)
+    expected = x * c + _rotate_half(x) * s
+    if not close(got, expected):
+        mistakes = {
+            "the input came back unchanged: multiply by cos and add rotate_half(x) * sin": x,
+            "you rotated the wrong way: the sin term is + rotate_half(x) * sin": x * c - _rotate_half(x) * s,
+            "cos and sin are swapped: x * cos + rotate_half(x) * sin": x * s + _rotate_half(x) * c,
+            "you paired adjacent coordinates (x0, x1), (x2, x3): that is the interleaved "
+            "convention. This model pairs x[i] with x[i + D/2] (rotate_half)": _rotate_interleaved(x, c, s),
+        }
+        for message, wrong in mistakes.items():
+            if close(got, wrong):
+                fail("1.2", message)
+        error = (got - expected).abs().max().item()
+        fail("1.2", f"the result differs from x * cos + rotate_half(x) * sin by up to {error:.3g}")
+    if not close(got.norm(dim=-1), x.norm(dim=-1), atol=1e-4):
+        fail("1.2", "a rotation must keep each vector's length, and yours does not")
+    passed("1.2", "RoPE rotates each (i, i + D/2) pair by position × frequency")
+
+
+# --- 1.3 greedy step --------------------------------------------------------------------------
+
+
+def check_greedy_step(greedy_step) -> None:
+    vocab = 10
+    g = _generator()
+    logits = torch.randn(BATCH, SEQ, vocab, generator=g)
+    # Make the best token at the last position differ from every other position's best.
+    logits[0, -1, 7], logits[1, -1, 2] = 10.0, 10.0
+    logits[:, :-1, 7], logits[:, :-1, 2] = -10.0, -10.0
+    got = call("1.3", greedy_step, logits,
+               hint="logits are (B, S, vocab); return one token id per sequence, shape (B,)")
+    if isinstance(got, torch.Tensor) and got.is_floating_point():
+        fail("1.3", "you returned scores (floats), not token ids: use argmax, not max")
+    if isinstance(got, torch.Tensor) and tuple(got.shape) == (BATCH, vocab):
+        fail("1.3", f"expected shape ({BATCH},) but got {tuple(got.shape)}: you took the argmax "
+                    "over the sequence axis; take it over the vocabulary axis (dim=-1)")
+    expect_shape("1.3", "the next token ids", got, (BATCH,))
+    expected = torch.tensor([7, 2])
+    if torch.equal(got, expected):
+        passed("1.3", "the next token is the argmax of the last position's logits")
+        return
+    if torch.equal(got, logits[:, 0].argmax(-1)):
+        fail("1.3", "you used the first position's logits: the next token is predicted by the "
+                    "last position, logits[:, -1]")
+    if torch.equal(got, logits[:, -1].argmin(-1)):
+        fail("1.3", "you picked the lowest-scoring token (argmin): greedy takes the argmax")
+    fail("1.3", f"expected token ids {expected.tolist()}, got {got.tolist()}")
+
+
+# --- 1.4 streaming detokenizer ----------------------------------------------------------------
+
+# Chinese characters are 3 UTF-8 bytes and these emoji 4 (👍🏽 is two code points): byte-level
+# BPE splits some of them across tokens, which is what the detokenizer must survive.
+STREAM_TEXTS = (
+    "Hello, world! The year 2024 had 366 days.",
+    "中文测试：你好，世界。",
+    "emoji 🤗🤗 and 👍🏽, café naïve",
+)
+
+
+def check_streaming_detokenizer(detokenizer_cls, tokenizer) -> None:
+    split_characters = 0
+    for text in STREAM_TEXTS:
+        ids = tokenizer.encode(text)
+        detok = detokenizer_cls(tokenizer)
+        pieces = [call("1.4", detok.push, i) for i in ids]
+        pieces.append(call("1.4", detok.flush))
+        for i, piece in enumerate(pieces[:-1]):
+            if not isinstance(piece, str):
+                fail("1.4", f"push() returned {type(piece).__name__}, expected str")
+            if "\ufffd" in piece:
+                fail("1.4", f"token {i} of {text!r} produced U+FFFD (�): a character split across "
+                            "tokens was decoded before its last byte arrived. Keep incomplete "
+                            "bytes until the character is complete")
+        streamed = "".join(pieces)
+        if streamed != text:
+            if len(streamed) > len(text) and streamed.startswith(text[:1]):
+                fail("1.4", f"the stream repeats text ({streamed[:40]!r}...): push() must return "
+                            "only the new text, not everything decoded so far")
+            fail("1.4", f"streamed text {streamed!r} differs from the original {text!r}")
+        split_characters += sum(
+            1 for i in ids if not _is_complete_utf8(tokenizer.token_bytes(i))
+        )
+    if split_characters == 0:
+        fail("1.4", "this tokenizer split no character across tokens, so the check proves "
+                    "nothing; it needs a byte-level BPE tokenizer")
+    passed("1.4", f"streamed text is exact, no U+FFFD ({split_characters} tokens held partial "
+                  "characters)")
+
+
+def _is_complete_utf8(data: bytes) -> bool:
+    try:
+        data.decode("utf-8")
+        return True
+    except UnicodeDecodeError:
+        return False

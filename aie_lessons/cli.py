@@ -1,0 +1,103 @@
+"""The ``aie`` command: fetch the model, generate text, report the environment."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+def _fetch_model(args: argparse.Namespace) -> int:
+    from aie_lessons.model_files import fetch_course_model, install_checkpoint
+
+    if args.source:
+        model_dir = install_checkpoint(Path(args.source))
+    else:
+        model_dir = fetch_course_model(force=args.force)
+    print(f"model ready in {model_dir}")
+    return 0
+
+
+def _generate(args: argparse.Namespace) -> int:
+    import torch
+
+    from aie_lessons.generate import SamplingParams, generate
+    from aie_lessons.model import LlamaModel
+    from aie_lessons.paths import default_model_dir
+    from aie_lessons.tokenizer import Tokenizer
+
+    model_dir = Path(args.model) if args.model else default_model_dir()
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
+    tokenizer = Tokenizer.from_pretrained(model_dir)
+    model = LlamaModel.from_pretrained(model_dir, dtype=dtype, device=args.device)
+    prompt_ids = tokenizer.encode_chat(args.prompt) if args.chat else tokenizer.encode(args.prompt)
+    params = SamplingParams(max_new_tokens=args.max_new_tokens, stop=tuple(args.stop or ()))
+
+    def stream(text: str) -> None:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+
+    result = generate(model, tokenizer, prompt_ids, params, on_text=None if args.json else stream)
+    if args.json:
+        print(json.dumps({
+            "prompt_ids": result.prompt_ids,
+            "token_ids": result.token_ids,
+            "text": result.text,
+            "finish_reason": result.finish_reason,
+            "timings": result.timings,
+        }, ensure_ascii=False))
+    else:
+        print()
+    return 0
+
+
+def _env(args: argparse.Namespace) -> int:
+    from aie_lessons.environment import environment_report
+
+    print(environment_report())
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="aie", description="AI engineering from scratch.")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    fetch = commands.add_parser("fetch-model", help="download and convert the course model")
+    fetch.add_argument("--from", dest="source", metavar="DIR",
+                       help="use a local HuggingFace Llama-family checkpoint instead")
+    fetch.add_argument("--force", action="store_true", help="convert again even if present")
+    fetch.set_defaults(run=_fetch_model)
+
+    gen = commands.add_parser("generate", help="generate text, streamed to stdout")
+    gen.add_argument("prompt")
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
+    gen.add_argument("--max-new-tokens", type=int, default=64)
+    gen.add_argument("--stop", action="append", metavar="TEXT", help="stop string (repeatable)")
+    gen.add_argument("--json", action="store_true", help="print one JSON object at the end")
+    gen.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    gen.add_argument("--device", default="cpu", help="cpu or cuda")
+    gen.add_argument("--model", metavar="DIR", help="checkpoint folder (default: the fetched model)")
+    gen.set_defaults(run=_generate)
+
+    env = commands.add_parser("env", help="report versions, hardware and Triton availability")
+    env.set_defaults(run=_env)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    # Errors that the course raises carry their own fix: print them plainly, not as a traceback.
+    from aie_lessons.generate import ContextLengthError
+    from aie_lessons.model_files import ModelFilesError
+    from aie_lessons.weights import WeightsError
+
+    try:
+        return args.run(args)
+    except (ContextLengthError, ModelFilesError, WeightsError, FileNotFoundError) as exc:
+        print(f"aie {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,97 @@
+"""What this machine is: versions, processor, memory, GPU, Triton. Shown by ``aie env``.
+
+Every number the course measures (tokens/s, bandwidth, the roofline) depends on these facts, so
+stage 00 prints them first and a learner can compare their results with someone else's.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import platform
+import sys
+from pathlib import Path
+
+from aie_lessons.paths import default_model_dir
+
+# CPU features that decide which fast paths PyTorch's CPU kernels can take.
+CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "neon", "asimd")
+
+
+def _version(package: str) -> str | None:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def cpu_facts() -> dict[str, object]:
+    facts: dict[str, object] = {"cores": os.cpu_count(), "model": platform.processor() or "?"}
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.exists():
+        text = cpuinfo.read_text()
+        for line in text.splitlines():
+            if line.startswith("model name"):
+                facts["model"] = line.split(":", 1)[1].strip()
+                break
+        flags = set()
+        for line in text.splitlines():
+            if line.startswith(("flags", "Features")):
+                flags |= set(line.split(":", 1)[1].split())
+        facts["features"] = [f for f in CPU_FLAGS if f in flags]
+    meminfo = Path("/proc/meminfo")
+    if meminfo.exists():
+        total_kib = int(meminfo.read_text().split("MemTotal:")[1].split()[0])
+        facts["memory_gb"] = round(total_kib / 2**20, 1)
+    return facts
+
+
+def triton_status() -> tuple[bool, str]:
+    """Whether Triton can be used here, and why not when it cannot."""
+    if sys.platform == "darwin":
+        return False, "Triton has no macOS build: stage 05 runs its PyTorch reference instead"
+    version = _version("triton")
+    if version is None:
+        return False, "triton is not installed (pip install triton, Linux only)"
+    import torch
+
+    if torch.cuda.is_available():
+        return True, f"triton {version}, compiled kernels on the GPU"
+    return True, f"triton {version}, CPU interpreter (TRITON_INTERPRET=1): slow, small shapes only"
+
+
+def environment_facts() -> dict[str, object]:
+    import torch
+
+    facts: dict[str, object] = {
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "torch": torch.__version__,
+        "torch threads": torch.get_num_threads(),
+        "cpu": cpu_facts(),
+        "cuda": torch.cuda.is_available(),
+        "triton": triton_status(),
+        "transformers": _version("transformers") or "not installed (only the tests need it)",
+    }
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        facts["gpu"] = f"{props.name}, {props.total_memory / 2**30:.0f} GiB"
+    model_dir = default_model_dir()
+    fetched = (model_dir / "config.json").exists()
+    facts["model"] = f"{model_dir}" if fetched else f"not fetched yet: run `aie fetch-model`"
+    return facts
+
+
+def environment_report() -> str:
+    facts = environment_facts()
+    cpu = facts.pop("cpu")
+    triton_ok, triton_why = facts.pop("triton")
+    rows = [(k, str(v)) for k, v in facts.items()]
+    rows[3:3] = [
+        ("cpu", f"{cpu['model']} ({cpu['cores']} logical cores)"),
+        ("cpu features", ", ".join(cpu.get("features", [])) or "none detected"),
+        ("memory", f"{cpu.get('memory_gb', '?')} GB"),
+    ]
+    rows.append(("triton", ("available: " if triton_ok else "unavailable: ") + triton_why))
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)

@@ -1,0 +1,979 @@
+# ---
+# jupyter:
+#   jupytext:
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#   kernelspec:
+#     display_name: Python 3 (ipykernel)
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # Stage 01 — The skeleton loop
+#
+# An inference engine does four things, over and over:
+#
+# ```
+#  weights on disk ──► (1) weight loader ──► nn.Module
+#  "What is ..."   ──► (2) input preprocessing (tokenizer, chat template) ──► token ids
+#  token ids       ──► (3) forward pass ──► logits for the next token
+#  logits          ──► (4) output postprocessing (greedy pick, streaming detokenizer) ──► text
+# ```
+#
+# In this stage you build the simplest engine that does all four for a real model,
+# SmolLM2-135M-Instruct, and you time every part from the start. It is deliberately naive:
+# every new token recomputes the whole sequence. At the end you will *measure* what that costs,
+# and stage 04 (the KV cache) removes it.
+#
+# Cells that start with `# export: NAME` become the module `aie_lessons/NAME.py`: later stages
+# import your code from there. Each exercise is followed by a check cell; run it and it tells you
+# exactly what is wrong.
+
+# %%
+import time
+
+import matplotlib.pyplot as plt
+import torch
+
+from aie_lessons import checks
+from aie_lessons.paths import default_model_dir
+
+torch.manual_seed(0)
+MODEL_DIR = default_model_dir()
+print("model directory:", MODEL_DIR.relative_to(MODEL_DIR.parents[2]))
+
+# %% [markdown]
+# ## 1. The weight loader
+#
+# A checkpoint is two files: `config.json` (the architecture's numbers) and `model.safetensors`
+# (named tensors). We read the config into a frozen dataclass, so a typo in a field name fails
+# loudly instead of silently creating a new attribute.
+
+# %%
+# export: config
+"""The model's architecture numbers, read from a HuggingFace ``config.json``."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shapes and constants of a Llama-family decoder; every stage reads its sizes from here."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    eos_token_ids: tuple[int, ...]
+
+    @classmethod
+    def from_dict(cls, cfg: dict) -> "ModelConfig":
+        eos = cfg.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+        num_heads = cfg["num_attention_heads"]
+        return cls(
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=cfg.get("num_key_value_heads", num_heads),
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // num_heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=cfg.get("rope_theta", 10000.0),
+            max_position_embeddings=cfg["max_position_embeddings"],
+            tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+            eos_token_ids=eos_ids,
+        )
+
+    @classmethod
+    def from_json(cls, path: str | Path) -> "ModelConfig":
+        path = Path(path)
+        if path.is_dir():
+            path = path / "config.json"
+        if not path.exists():
+            raise FileNotFoundError(
+                f"no model config at {path}. Fix: run `aie fetch-model` (or point "
+                "AIE_MODEL_DIR at a HuggingFace checkpoint folder)."
+            )
+        return cls.from_dict(json.loads(path.read_text()))
+
+    @property
+    def queries_per_kv_head(self) -> int:
+        """Grouped-query attention: how many query heads share one key/value head."""
+        return self.num_heads // self.num_kv_heads
+
+
+# %%
+config = ModelConfig.from_json(MODEL_DIR)
+config
+
+# %% [markdown]
+# Weights are read with `safetensors`' `safe_open`, which *memory-maps* the file: a tensor is
+# only read from disk when we ask for it. Converting one tensor at a time to the dtype we want
+# keeps peak memory near the size of the final model instead of "whole file + whole model".
+# Errors name the file and the fix: a learner should never have to read a traceback from deep
+# inside a library to learn that they forgot to download the model.
+
+# %%
+# export: weights
+"""Load safetensors checkpoints tensor by tensor, so peak memory stays near the model's size."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+# HuggingFace prefixes the decoder's tensors with "model."; our module tree has no such level.
+HF_PREFIX = "model."
+
+
+class WeightsError(RuntimeError):
+    """A checkpoint is missing or unreadable; the message names the file and the fix."""
+
+
+def weight_files(path: str | Path) -> list[Path]:
+    """The ``.safetensors`` files of a checkpoint folder (several when it is sharded)."""
+    path = Path(path)
+    files = [path] if path.is_file() else sorted(path.glob("*.safetensors"))
+    if not files:
+        raise WeightsError(
+            f"no .safetensors weights at {path}. Fix: run `aie fetch-model` to download and "
+            "convert the course model, or `aie fetch-model --from DIR` for your own checkpoint."
+        )
+    return files
+
+
+def load_weights(
+    path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+) -> dict[str, torch.Tensor]:
+    """Read every tensor of a checkpoint, converted to ``dtype`` on ``device`` one at a time.
+
+    The file is opened (memory-mapped) again for each tensor: pages of the file that were read
+    count as this process's memory for as long as the map is open, so one map held across the
+    whole loop would cost "file + converted model" at its peak. Re-opening costs ~1 ms a tensor.
+    """
+    weights: dict[str, torch.Tensor] = {}
+    for file in weight_files(path):
+        try:
+            with safe_open(str(file), framework="pt", device="cpu") as f:
+                names = list(f.keys())
+            for name in names:
+                with safe_open(str(file), framework="pt", device="cpu") as f:
+                    tensor = f.get_tensor(name).to(device=device, dtype=dtype)
+                weights[name.removeprefix(HF_PREFIX)] = tensor
+        except (SafetensorError, OSError) as exc:
+            raise WeightsError(
+                f"{file} is not a readable safetensors file ({exc}). Fix: delete it and run "
+                "`aie fetch-model --force` to convert the model again."
+            ) from exc
+    return weights
+
+
+# %%
+weights = load_weights(MODEL_DIR)
+total_bytes = sum(t.numel() * t.element_size() for t in weights.values())
+print(f"{len(weights)} tensors, {total_bytes / 1e6:.0f} MB in fp32")
+for name in list(weights)[:4]:
+    print(f"  {name:40s} {tuple(weights[name].shape)}")
+
+# %% [markdown]
+# There is no `lm_head.weight`: SmolLM2 *ties* its output projection to the input embedding,
+# so the 49152 × 576 matrix is stored once and used twice. We will share it, not copy it.
+#
+# ## 2. Input preprocessing: the tokenizer
+#
+# The model never sees text, only integer token ids. SmolLM2 uses *byte-level BPE*: text is
+# turned into UTF-8 bytes, each byte is drawn as a printable character (`Ġ` is a space), and
+# learned merges glue frequent pairs into tokens. Its pre-tokenizer first splits every digit on
+# its own, so numbers are spelled digit by digit. An instruct model also expects a *chat
+# template* around the user's words; it is a Jinja template that ships with the tokenizer.
+
+# %%
+# export: tokenizer
+"""Text <-> token ids, the chat template, and a streaming detokenizer."""
+
+from __future__ import annotations
+
+import codecs
+import json
+from functools import lru_cache
+from pathlib import Path
+
+import jinja2.sandbox
+from tokenizers import Tokenizer as _HFTokenizer
+
+
+@lru_cache(maxsize=1)
+def byte_level_alphabet() -> dict[str, int]:
+    """Map each printable character that byte-level BPE uses back to the byte it stands for.
+
+    GPT-2 style tokenizers draw the 256 byte values as 256 printable characters: bytes that are
+    already printable stand for themselves, the rest (space, control bytes, ...) are shifted to
+    code points from 256 upward, so that "Ġ" (U+0120) is the space byte 0x20.
+    """
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+                 *range(ord("®"), ord("ÿ") + 1)]
+    alphabet, shifted = {}, 0
+    for byte in range(256):
+        if byte in printable:
+            alphabet[chr(byte)] = byte
+        else:
+            alphabet[chr(256 + shifted)] = byte
+            shifted += 1
+    return alphabet
+
+
+class Tokenizer:
+    """A byte-level BPE tokenizer plus the chat template and special tokens of a checkpoint."""
+
+    def __init__(self, backend: _HFTokenizer, tokenizer_config: dict | None = None):
+        self.backend = backend
+        self.config = tokenizer_config or {}
+        self.special_ids = {
+            i for i, added in backend.get_added_tokens_decoder().items() if added.special
+        }
+        self._template = None
+        if self.config.get("chat_template"):
+            env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+            self._template = env.from_string(self.config["chat_template"])
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str | Path) -> "Tokenizer":
+        model_dir = Path(model_dir)
+        path = model_dir / "tokenizer.json"
+        if not path.exists():
+            raise FileNotFoundError(f"no tokenizer at {path}. Fix: run `aie fetch-model`.")
+        config_path = model_dir / "tokenizer_config.json"
+        config = json.loads(config_path.read_text()) if config_path.exists() else {}
+        return cls(_HFTokenizer.from_file(str(path)), config)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.backend.get_vocab_size()
+
+    def token_id(self, token: str) -> int | None:
+        return self.backend.token_to_id(token)
+
+    @property
+    def eos_token_id(self) -> int | None:
+        eos = self.config.get("eos_token")
+        if isinstance(eos, dict):
+            eos = eos.get("content")
+        return None if eos is None else self.token_id(eos)
+
+    def encode(self, text: str) -> list[int]:
+        return self.backend.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        if self._template is None:
+            raise ValueError(
+                "this checkpoint has no chat template (tokenizer_config.json lacks "
+                "'chat_template'). Fix: generate without --chat, or use an instruct model."
+            )
+        return self._template.render(
+            messages=messages,
+            add_generation_prompt=add_generation_prompt,
+            bos_token=self.config.get("bos_token") or "",
+            eos_token=self.config.get("eos_token") or "",
+        )
+
+    def encode_chat(self, user_message: str) -> list[int]:
+        return self.encode(self.apply_chat_template([{"role": "user", "content": user_message}]))
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The exact bytes a token stands for (special tokens: their UTF-8 text)."""
+        token = self.backend.id_to_token(token_id)
+        if token is None:
+            raise ValueError(f"token id {token_id} is outside the vocabulary of {self.vocab_size}")
+        if token_id in self.special_ids:
+            return token.encode("utf-8")
+        alphabet = byte_level_alphabet()
+        try:
+            return bytes(alphabet[ch] for ch in token)
+        except KeyError as exc:
+            raise ValueError(
+                f"token {token!r} is not byte-level BPE; the streaming detokenizer supports "
+                "byte-level tokenizers (GPT-2, Llama 3, SmolLM families)"
+            ) from exc
+
+
+# %%
+tokenizer = Tokenizer.from_pretrained(MODEL_DIR)
+text = "Year 2024: 世界 🤗!"
+ids = tokenizer.encode(text)
+print(ids)
+print([tokenizer.token_bytes(i) for i in ids])
+
+# %% [markdown]
+# Look at the bytes: the digits came out one per token, and the emoji 🤗 (four UTF-8 bytes) is
+# split across tokens. Keep that in mind for the last part of the loop, turning tokens back into
+# text.
+#
+# The chat template wraps a message in the special tokens the instruct model was trained with:
+
+# %%
+print(tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}]))
+
+# %% [markdown]
+# ## 3. The forward pass
+#
+# SmolLM2 is a Llama-family decoder: an embedding, 30 identical blocks, a final norm and the
+# (tied) output projection. Each block is
+#
+# ```
+#  x ─► RMSNorm ─► attention (q, k, v projections, RoPE, softmax(q·kᵀ/√d)·v, o projection) ─► + ─►
+#  └──────────────────────────────────────────────────────────────────────────────────────┘   │
+#  ┌──────────────────────────────────────────────────────────────────────────────────────────┘
+#  x ─► RMSNorm ─► MLP (down(silu(gate(x)) · up(x))) ─► + ─► next block
+#  └──────────────────────────────────────────────────┘
+# ```
+#
+# Three pieces deserve a closer look, and two are exercises.
+#
+# **RMSNorm** rescales each vector to unit root-mean-square, then multiplies by a learned
+# weight: `x / sqrt(mean(x²) + eps) * weight`. Unlike LayerNorm it does not subtract the mean.
+# We compute it in fp32 even when the model runs in bf16, because squaring small numbers in
+# 8 bits of mantissa loses them.
+#
+# **RoPE** (rotary position embedding) encodes position by rotating pairs of q and k
+# coordinates by an angle `position × frequency`. Then `q·k` depends only on the *distance*
+# between the two positions. HuggingFace pairs coordinate `i` with `i + D/2` ("rotate half");
+# stage 02 shows the other convention and why the GGUF conversion had to permute rows.
+#
+# **Attention** is pluggable: the model looks its attention function up by name, so stage 02 can
+# swap in your hand-written one, stage 05 a flash kernel and stage 07 a paged one, without
+# touching the rest of the model. For now it is PyTorch's `scaled_dot_product_attention`.
+
+# %%
+# export: model
+"""A Llama-family decoder whose attention backend is chosen by name."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# An attention backend takes q (B, Hq, S, D), k and v (B, Hkv, S, D) and returns (B, Hq, S, D).
+AttentionFn = Callable[..., torch.Tensor]
+ATTENTION_BACKENDS: dict[str, AttentionFn] = {}
+
+
+def register_attention_backend(name: str) -> Callable[[AttentionFn], AttentionFn]:
+    """Make an attention function selectable with ``LlamaModel(..., attention=name)``."""
+
+    def register(fn: AttentionFn) -> AttentionFn:
+        ATTENTION_BACKENDS[name] = fn
+        return fn
+
+    return register
+
+
+@register_attention_backend("sdpa")
+def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True):
+    """PyTorch's fused attention; ``enable_gqa`` lets 9 query heads share 3 key/value heads."""
+    return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Scale each vector (last dimension) to unit root-mean-square, then by ``weight``."""
+    # BEGIN EXERCISE 1.1: return x / sqrt(mean(x²) + eps) * weight, computed in fp32, in x's dtype | Hint: mean over the last dimension with keepdim=True; torch.rsqrt is 1/sqrt; unlike LayerNorm, do not subtract the mean.
+    x32 = x.float()
+    normed = x32 * torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + eps)
+    return (normed * weight.float()).to(x.dtype)
+    # END EXERCISE 1.1
+
+
+def rope_cos_sin(
+    positions: torch.Tensor, head_dim: int, theta: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of the rotation angles, (B, S, D), for integer ``positions`` (B, S).
+
+    Pair ``i`` (coordinates i and i + D/2) turns at frequency ``theta^(-2i/D)``; both halves
+    of the returned tables repeat the same D/2 angles so they line up with ``rotate_half``.
+    """
+    exponents = torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32)
+    inv_freq = 1.0 / (theta ** (exponents / head_dim))  # (D/2,)
+    angles = positions.float()[..., None] * inv_freq  # (B, S, D/2)
+    angles = torch.cat([angles, angles], dim=-1)  # (B, S, D)
+    return angles.cos(), angles.sin()
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """(x1, x2) -> (-x2, x1) on the two halves of the last dimension: a 90° turn of each pair."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([-x2, x1], dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate q or k, shaped (B, H, S, D), by the angles in cos/sin, shaped (B, S, D)."""
+    # BEGIN EXERCISE 1.2: return x rotated by the angles: x·cos + rotate_half(x)·sin | Hint: cos and sin are (B, S, D) but x is (B, H, S, D): give them a head axis of size 1 to broadcast.
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return (x * cos + rotate_half(x) * sin).to(x.dtype)
+    # END EXERCISE 1.2
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, backend: str):
+        super().__init__()
+        self.config = config
+        self.backend = backend
+        d, hq, hkv = config.head_dim, config.num_heads, config.num_kv_heads
+        self.q_proj = nn.Linear(config.hidden_size, hq * d, bias=False)
+        self.k_proj = nn.Linear(config.hidden_size, hkv * d, bias=False)
+        self.v_proj = nn.Linear(config.hidden_size, hkv * d, bias=False)
+        self.o_proj = nn.Linear(hq * d, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        batch, seq, _ = x.shape
+        d, hq, hkv = self.config.head_dim, self.config.num_heads, self.config.num_kv_heads
+        q = self.q_proj(x).view(batch, seq, hq, d).transpose(1, 2)  # (B, Hq, S, D)
+        k = self.k_proj(x).view(batch, seq, hkv, d).transpose(1, 2)  # (B, Hkv, S, D)
+        v = self.v_proj(x).view(batch, seq, hkv, d).transpose(1, 2)  # (B, Hkv, S, D)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = ATTENTION_BACKENDS[self.backend](q, k, v, causal=True)  # (B, Hq, S, D)
+        return self.o_proj(out.transpose(1, 2).reshape(batch, seq, hq * d))
+
+
+class MLP(nn.Module):
+    """SwiGLU: a SiLU-gated linear unit, ``down(silu(gate(x)) * up(x))``."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, backend: str):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, backend)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    """Token ids (B, S) -> next-token logits (B, S, vocab). Parameter names match HuggingFace."""
+
+    def __init__(self, config: ModelConfig, attention: str = "sdpa"):
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, attention) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.set_attention_backend(attention)
+
+    def set_attention_backend(self, name: str) -> None:
+        if name not in ATTENTION_BACKENDS:
+            raise ValueError(
+                f"unknown attention backend {name!r}; registered: {sorted(ATTENTION_BACKENDS)}"
+            )
+        for layer in self.layers:
+            layer.self_attn.backend = name
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        model_dir: str | Path,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+        attention: str = "sdpa",
+    ) -> "LlamaModel":
+        """Build the module without allocating, then adopt the loaded tensors as parameters.
+
+        Constructing on the ``meta`` device allocates nothing, and ``assign=True`` makes the
+        loaded tensors *become* the parameters: the weights are in memory exactly once.
+        """
+        config = ModelConfig.from_json(model_dir)
+        with torch.device("meta"):
+            model = cls(config, attention)
+        state = load_weights(model_dir, dtype=dtype, device=device)
+        if config.tie_word_embeddings:
+            state.pop("lm_head.weight", None)
+        missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+        if config.tie_word_embeddings:
+            model.lm_head.weight = model.embed_tokens.weight  # assign=True broke the tie
+            missing = [m for m in missing if m != "lm_head.weight"]
+        if missing or unexpected:
+            raise WeightsError(
+                f"checkpoint {model_dir} does not fit the model: missing {missing[:5]}, "
+                f"unexpected {unexpected[:5]}. Fix: check that config.json matches the weights."
+            )
+        return model.eval()
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        if positions is None:
+            positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
+        x = self.embed_tokens(input_ids)  # (B, S, hidden)
+        cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta)
+        cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+        for layer in self.layers:
+            x = layer(x, cos, sin)
+        return self.lm_head(self.norm(x))  # (B, S, vocab)
+
+
+# %% [markdown]
+# ### Exercise 1.1 — RMSNorm
+#
+# Complete `rms_norm` in the cell above, run that cell again, then the check.
+
+# %%
+# Check exercise 1.1
+checks.stage01.check_rms_norm(rms_norm)
+
+# %% [markdown]
+# ### Exercise 1.2 — applying RoPE
+#
+# Complete `apply_rope`: q and k arrive as (B, H, S, D), the angle tables as (B, S, D).
+
+# %%
+# Check exercise 1.2
+checks.stage01.check_apply_rope(apply_rope)
+
+# %% [markdown]
+# Now load the real model. Building it on the `meta` device allocates nothing; the loaded
+# tensors then become its parameters. The tied output head really is the embedding, the same
+# storage, not a copy:
+
+# %%
+model = LlamaModel.from_pretrained(MODEL_DIR)
+n_params = sum(p.numel() for p in model.parameters())
+shared = model.lm_head.weight.untyped_storage().data_ptr() == model.embed_tokens.weight.untyped_storage().data_ptr()
+print(f"{n_params / 1e6:.1f} M parameters; output head shares the embedding's storage: {shared}")
+
+# %% [markdown]
+# ## 4. Output postprocessing: from logits to the next token
+#
+# The model returns a score (logit) for every vocabulary entry *at every position*: position `t`
+# predicts token `t + 1`. Generation only needs the prediction after the last token. Greedy
+# decoding takes the highest-scoring token.
+#
+# ### Exercise 1.3 — the greedy step
+
+# %%
+# export: generate
+"""The skeleton generate loop: greedy, no KV cache, stop on EOS, length or stop strings."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick tokens and when to stop (stage 01: greedy only)."""
+
+    max_new_tokens: int = 64
+    stop: tuple[str, ...] = ()
+
+
+class ContextLengthError(ValueError):
+    """The request does not fit in the model's context window."""
+
+
+def greedy_step(logits: torch.Tensor) -> torch.Tensor:
+    """Next token ids (B,) from logits (B, S, vocab): the best-scoring token at the last position."""
+    # BEGIN EXERCISE 1.3: return, for each sequence, the id of the best token predicted after its last position | Hint: position t predicts token t + 1, so only logits[:, -1] matters; argmax over the vocabulary axis.
+    return logits[:, -1, :].argmax(dim=-1)
+    # END EXERCISE 1.3
+
+
+def check_fits_context(prompt_len: int, max_new_tokens: int, context: int) -> None:
+    """Refuse, with the numbers, a request that would run past the model's last position."""
+    if prompt_len + max_new_tokens > context:
+        raise ContextLengthError(
+            f"prompt of {prompt_len} tokens + max_new_tokens {max_new_tokens} = "
+            f"{prompt_len + max_new_tokens} tokens, but the model's context is {context} tokens. "
+            f"Fix: shorten the prompt by {prompt_len + max_new_tokens - context} tokens or lower "
+            "max_new_tokens."
+        )
+
+
+# %%
+# Check exercise 1.3
+checks.stage01.check_greedy_step(greedy_step)
+
+# %% [markdown]
+# ### Exercise 1.4 — the streaming detokenizer
+#
+# Text should appear as it is generated, but one character can span several tokens. Decoding the
+# tokens of `"Year 2024: 世界 🤗!"` one at a time prints replacement characters (`�`) for the
+# pieces of the emoji:
+
+# %%
+print([tokenizer.decode([i]) for i in ids])
+
+# %% [markdown]
+# Complete `StreamingDetokenizer.push`: it must return only the text that the new token
+# *completes*, holding back the bytes of an unfinished character.
+
+# %%
+# export: tokenizer
+class StreamingDetokenizer:
+    """Turn token ids into text as they arrive, never emitting half a character.
+
+    One character can span several tokens: "世" is three UTF-8 bytes and byte-level BPE may put
+    them in different tokens. Decoding each token on its own would print U+FFFD (the replacement
+    character) for the pieces. Instead we feed each token's bytes into an incremental UTF-8
+    decoder, which holds back an incomplete character until its last byte arrives.
+    """
+
+    def __init__(self, tokenizer: Tokenizer):
+        self.tokenizer = tokenizer
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="strict")
+
+    def push(self, token_id: int) -> str:
+        """Add one token; return the text it completes (possibly empty)."""
+        # BEGIN EXERCISE 1.4: return the text completed by this token's bytes | Hint: self.tokenizer.token_bytes gives a token's bytes; self._utf8 is an incremental UTF-8 decoder that keeps an unfinished character for the next call.
+        return self._utf8.decode(self.tokenizer.token_bytes(token_id))
+        # END EXERCISE 1.4
+
+    def flush(self) -> str:
+        """End of stream: an incomplete character left over is shown as U+FFFD, not dropped."""
+        self._utf8.errors = "replace"
+        return self._utf8.decode(b"", final=True)
+
+
+# %%
+# Check exercise 1.4
+checks.stage01.check_streaming_detokenizer(StreamingDetokenizer, tokenizer)
+
+# %% [markdown]
+# The loop itself: stop on the end-of-sequence token, on `max_new_tokens`, or on a stop string —
+# which may arrive split across tokens, so text that could be the start of one is held back.
+
+# %%
+# export: generate
+class StopStrings:
+    """Cut generated text at the first stop string, holding back text that might start one."""
+
+    def __init__(self, stops: tuple[str, ...]):
+        self.stops = tuple(s for s in stops if s)
+        self.pending = ""
+
+    def push(self, text: str) -> tuple[str, bool]:
+        """Add text; return (text safe to show, whether a stop string was reached)."""
+        self.pending += text
+        hits = [i for i in (self.pending.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            safe, self.pending = self.pending[: min(hits)], ""
+            return safe, True
+        hold = max((self._partial_match(s) for s in self.stops), default=0)
+        cut = len(self.pending) - hold
+        safe, self.pending = self.pending[:cut], self.pending[cut:]
+        return safe, False
+
+    def _partial_match(self, stop: str) -> int:
+        """Length of the longest tail of ``pending`` that is a head of ``stop``."""
+        for n in range(min(len(stop) - 1, len(self.pending)), 0, -1):
+            if self.pending.endswith(stop[:n]):
+                return n
+        return 0
+
+    def flush(self) -> str:
+        safe, self.pending = self.pending, ""
+        return safe
+
+
+@dataclass
+class GenerationResult:
+    prompt_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str = "length"  # "eos", "stop" or "length"
+    step_seconds: list[float] = field(default_factory=list)  # one forward pass per token
+
+    @property
+    def timings(self) -> dict[str, float]:
+        steps = self.step_seconds
+        decode = steps[1:]
+        return {
+            "first_token_s": steps[0] if steps else 0.0,
+            "total_s": sum(steps),
+            "tokens": len(self.token_ids),
+            "decode_tokens_per_s": len(decode) / sum(decode) if decode else 0.0,
+        }
+
+
+@torch.inference_mode()
+def generate(
+    model: LlamaModel,
+    tokenizer: Tokenizer,
+    prompt_ids: list[int],
+    params: SamplingParams = SamplingParams(),
+    on_text: Callable[[str], None] | None = None,
+) -> GenerationResult:
+    """Greedy generation that recomputes the whole sequence for every new token.
+
+    ``on_text`` receives text as soon as it is complete (whole characters, stop strings cut),
+    which is how the CLI streams to the terminal.
+    """
+    if not prompt_ids:
+        raise ValueError("the prompt is empty: give at least one token")
+    check_fits_context(len(prompt_ids), params.max_new_tokens, model.config.max_position_embeddings)
+    device = model.embed_tokens.weight.device
+    eos_ids = set(model.config.eos_token_ids)
+    if tokenizer.eos_token_id is not None:
+        eos_ids.add(tokenizer.eos_token_id)
+    result = GenerationResult(prompt_ids=list(prompt_ids))
+    detok, stops = StreamingDetokenizer(tokenizer), StopStrings(params.stop)
+    ids = list(prompt_ids)
+
+    def emit(text: str) -> None:
+        result.text += text
+        if on_text and text:
+            on_text(text)
+
+    for _ in range(params.max_new_tokens):
+        start = time.perf_counter()
+        logits = model(torch.tensor([ids], device=device))  # (1, S, vocab): the whole sequence
+        next_id = int(greedy_step(logits)[0])
+        result.step_seconds.append(time.perf_counter() - start)
+        if next_id in eos_ids:
+            result.finish_reason = "eos"
+            break
+        ids.append(next_id)
+        result.token_ids.append(next_id)
+        text, stopped = stops.push(detok.push(next_id))
+        emit(text)
+        if stopped:
+            result.finish_reason = "stop"
+            break
+    if result.finish_reason != "stop":
+        emit(stops.push(detok.flush())[0] + stops.flush())
+    return result
+
+
+# %% [markdown]
+# ## 5. The whole loop
+#
+# Everything together: chat template → ids → forward → greedy pick → streaming text. The text is
+# printed as it is produced.
+
+# %%
+prompt_ids = tokenizer.encode_chat("What is the capital of France?")
+result = generate(model, tokenizer, prompt_ids, SamplingParams(max_new_tokens=32),
+                  on_text=lambda t: print(t, end="", flush=True))
+print()
+print("finish reason:", result.finish_reason, "| token ids:", result.token_ids)
+
+# %% [markdown]
+# ## 6. Timing built in from the start
+#
+# Where does the time go? Forward hooks on every submodule record how long it ran and how big
+# its output was, without changing the model's code. Hooks are the same tool a profiler uses;
+# stage 09 goes further with `torch.profiler` and a roofline chart.
+
+# %%
+# export: instrument
+"""Per-module timing and memory, collected with forward hooks and shown as a table."""
+
+from __future__ import annotations
+
+import resource
+import sys
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+
+def peak_memory_bytes(device: torch.device | str = "cpu") -> int:
+    """High-water mark of memory: the GPU allocator's on CUDA, the process's RSS on CPU.
+
+    On Linux we read VmHWM, not ``getrusage``'s ru_maxrss: a child process inherits its
+    parent's ru_maxrss, so a small script started from a big one would report the big one's peak.
+    """
+    if torch.device(device).type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    status = Path("/proc/self/status")
+    if status.exists():
+        for line in status.read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024  # Linux reports KiB
+
+
+@dataclass
+class ModuleStats:
+    calls: int = 0
+    seconds: float = 0.0
+    largest_output_bytes: int = 0
+
+
+class ModuleTimer:
+    """Time every module of the given kinds while the ``with`` block runs.
+
+    Rows are grouped by module class (all 30 ``Attention`` modules make one row), which is the
+    question we usually ask: how much of a step is attention, how much the MLPs?
+    """
+
+    KINDS: tuple[type[nn.Module], ...] = (nn.Embedding, RMSNorm, Attention, MLP, nn.Linear)
+
+    def __init__(self, model: nn.Module, kinds: tuple[type[nn.Module], ...] | None = None):
+        self.model = model
+        self.kinds = kinds or self.KINDS
+        self.stats: dict[str, ModuleStats] = defaultdict(ModuleStats)
+        self._handles = []
+        self._starts: dict[int, float] = {}
+        self._cuda = next(model.parameters()).is_cuda
+
+    def _label(self, name: str, module: nn.Module) -> str:
+        # The output head is a Linear too, but it is worth its own row: it is the largest matmul.
+        return "lm_head" if name == "lm_head" else type(module).__name__
+
+    def __enter__(self) -> "ModuleTimer":
+        for name, module in self.model.named_modules():
+            if not isinstance(module, self.kinds):
+                continue
+            # Linears inside Attention/MLP are already inside those rows' time.
+            if isinstance(module, nn.Linear) and name != "lm_head":
+                continue
+            label = self._label(name, module)
+            self._handles.append(module.register_forward_pre_hook(self._pre))
+            self._handles.append(module.register_forward_hook(self._post_for(label)))
+        return self
+
+    def _now(self) -> float:
+        if self._cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
+    def _pre(self, module, args) -> None:
+        self._starts[id(module)] = self._now()
+
+    def _post_for(self, label: str):
+        def post(module, args, output) -> None:
+            stats = self.stats[label]
+            stats.calls += 1
+            stats.seconds += self._now() - self._starts.pop(id(module))
+            size = output.numel() * output.element_size()
+            stats.largest_output_bytes = max(stats.largest_output_bytes, size)
+
+        return post
+
+    def __exit__(self, *exc) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def table(self) -> str:
+        total = sum(s.seconds for s in self.stats.values()) or 1.0
+        lines = [f"{'module':<10} {'calls':>6} {'total ms':>9} {'ms/call':>8} {'share':>6} "
+                 f"{'largest output':>15}"]
+        for label, s in sorted(self.stats.items(), key=lambda kv: -kv[1].seconds):
+            lines.append(
+                f"{label:<10} {s.calls:>6} {s.seconds * 1e3:>9.1f} "
+                f"{s.seconds * 1e3 / s.calls:>8.3f} {s.seconds / total:>6.1%} "
+                f"{s.largest_output_bytes / 1e6:>12.2f} MB"
+            )
+        device = next(self.model.parameters()).device
+        lines.append(f"peak memory of the process so far: {peak_memory_bytes(device) / 1e9:.2f} GB")
+        return "\n".join(lines)
+
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+with ModuleTimer(model) as timer:
+    generate(model, tokenizer, prompt_ids, SamplingParams(max_new_tokens=8))
+print(timer.table())
+
+# %% [markdown]
+# The MLPs and attention blocks dominate; the output head (one 576 × 49152 matmul) is a single
+# module but a big one. Note how large its output is: logits for *every position*, although we
+# only use the last.
+#
+# ## 7. The cost of recomputing everything
+#
+# Our loop feeds the *whole* sequence through the model for every new token. Token `n` costs a
+# forward pass over `n` positions, so the time per token should grow with the length. Let us
+# measure it on this machine: generate from a long prompt and plot each step's time.
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+long_prompt = tokenizer.encode("The history of computing is " * 40)
+timed = generate(model, tokenizer, long_prompt[:200], SamplingParams(max_new_tokens=24))
+lengths = [200 + i for i in range(len(timed.step_seconds))]
+plt.figure(figsize=(6, 3.5))
+plt.plot(lengths, [s * 1e3 for s in timed.step_seconds], marker="o")
+plt.xlabel("sequence length when the token was produced")
+plt.ylabel("ms per generated token")
+plt.title("No KV cache: every step recomputes the whole sequence")
+plt.grid(alpha=0.3)
+plt.show()
+
+# %%
+short = generate(model, tokenizer, long_prompt[:20], SamplingParams(max_new_tokens=4)).step_seconds
+long = generate(model, tokenizer, long_prompt[:400], SamplingParams(max_new_tokens=4)).step_seconds
+ratio = min(long) / min(short)
+print("a step at 400 tokens costs more than a step at 20 tokens:", ratio > 1.5)
+
+# %% [markdown]
+# A step at 400 tokens costs several times a step at 20 tokens, although both produce exactly
+# one token. Everything computed for the first 399 positions was computed before, in the previous
+# step. Stage 04 keeps the keys and values of past positions in a *KV cache* and the time per
+# token goes flat.
+#
+# ## Summary
+#
+# | part | module | what it does |
+# |---|---|---|
+# | weight loader | `aie_lessons.weights`, `config` | mmap safetensors, one tensor at a time |
+# | preprocessing | `aie_lessons.tokenizer` | byte-level BPE, chat template |
+# | forward | `aie_lessons.model` | RMSNorm, RoPE, GQA attention (pluggable), SwiGLU |
+# | postprocessing | `aie_lessons.generate`, `tokenizer` | greedy step, stop rules, streaming text |
+# | timing | `aie_lessons.instrument` | per-module time and memory |
+#
+# Try the engine from a terminal: `aie generate --chat "What is the capital of France?"`.

@@ -1,0 +1,81 @@
+"""The GGUF conversion: the q/k row permutation, names, and perplexity on real prose."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from aie_lessons.gguf_convert import GGUFConversionError, hf_name, unpermute_rope_rows
+from aie_lessons.model import LlamaModel
+from aie_lessons.paths import DATA_DIR
+from aie_lessons.tokenizer import Tokenizer
+
+PROSE = DATA_DIR / "prose" / "lighthouses.txt"
+
+
+def llama_cpp_permute(weight: np.ndarray, n_heads: int) -> np.ndarray:
+    """llama.cpp's convert script: within each head, interleave the two halves' rows."""
+    rows = weight.shape[0]
+    return (
+        weight.reshape(n_heads, 2, rows // n_heads // 2, *weight.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(weight.shape)
+    )
+
+
+@pytest.mark.parametrize("n_heads", [1, 3, 9])
+def test_unpermute_inverts_llama_cpp_permute(n_heads):
+    rng = np.random.default_rng(0)
+    weight = rng.standard_normal((n_heads * 64, 576)).astype(np.float32)
+    permuted = llama_cpp_permute(weight, n_heads)
+    assert not np.array_equal(permuted, weight)
+    np.testing.assert_array_equal(unpermute_rope_rows(permuted, n_heads), weight)
+
+
+def test_unpermute_pairs_row_i_with_row_i_plus_half():
+    """Row order per head in GGUF is (0, D/2, 1, D/2+1, ...); unpermuted it is (0, 1, ..., D-1)."""
+    head_dim = 8
+    gguf_rows = np.array([[0], [4], [1], [5], [2], [6], [3], [7]], dtype=np.float32)
+    assert unpermute_rope_rows(gguf_rows, 1)[:, 0].tolist() == list(range(head_dim))
+
+
+def test_unpermute_rejects_shapes_that_do_not_split_into_heads():
+    with pytest.raises(GGUFConversionError, match="9 heads"):
+        unpermute_rope_rows(np.zeros((10, 4), dtype=np.float32), 9)
+
+
+def test_tensor_names_map_to_huggingface():
+    assert hf_name("blk.12.attn_q.weight") == "model.layers.12.self_attn.q_proj.weight"
+    assert hf_name("token_embd.weight") == "model.embed_tokens.weight"
+    with pytest.raises(GGUFConversionError, match="unknown GGUF tensor"):
+        hf_name("blk.0.attn_qkv.weight")
+
+
+def perplexity(model: LlamaModel, ids: torch.Tensor) -> float:
+    with torch.inference_mode():
+        log_probs = torch.log_softmax(model(ids)[0, :-1].float(), dim=-1)
+    nll = -log_probs.gather(-1, ids[0, 1:, None]).mean()
+    return math.exp(nll.item())
+
+
+@pytest.mark.oracle
+def test_perplexity_on_prose_is_sane_and_needs_the_unpermute(real_model_dir):
+    tokenizer = Tokenizer.from_pretrained(real_model_dir)
+    ids = torch.tensor([tokenizer.encode(PROSE.read_text())])
+    assert 1800 <= ids.shape[1] <= 2200
+    model = LlamaModel.from_pretrained(real_model_dir)
+    fixed = perplexity(model, ids)
+    assert 10 < fixed < 40, fixed
+    # Put llama.cpp's permutation back: the model runs, but reads positions wrongly.
+    config = model.config
+    with torch.no_grad():
+        for layer in model.layers:
+            attn = layer.self_attn
+            q = llama_cpp_permute(attn.q_proj.weight.numpy(), config.num_heads)
+            k = llama_cpp_permute(attn.k_proj.weight.numpy(), config.num_kv_heads)
+            attn.q_proj.weight = torch.nn.Parameter(torch.from_numpy(q.copy()))
+            attn.k_proj.weight = torch.nn.Parameter(torch.from_numpy(k.copy()))
+    assert perplexity(model, ids) > 10 * fixed
