@@ -121,7 +121,9 @@ class StreamingDetokenizer:
 
     def __init__(self, tokenizer: Tokenizer):
         self.tokenizer = tokenizer
-        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="strict")
+        # "replace": bytes that can never become a character (a model can generate those) show
+        # as U+FFFD, like tokenizer.decode does; an unfinished character is simply held back.
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
     def push(self, token_id: int) -> str:
         """Add one token; return the text it completes (possibly empty)."""
@@ -129,5 +131,4 @@ class StreamingDetokenizer:
 
     def flush(self) -> str:
         """End of stream: an incomplete character left over is shown as U+FFFD, not dropped."""
-        self._utf8.errors = "replace"
         return self._utf8.decode(b"", final=True)

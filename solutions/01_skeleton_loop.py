@@ -668,7 +668,9 @@ class StreamingDetokenizer:
 
     def __init__(self, tokenizer: Tokenizer):
         self.tokenizer = tokenizer
-        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="strict")
+        # "replace": bytes that can never become a character (a model can generate those) show
+        # as U+FFFD, like tokenizer.decode does; an unfinished character is simply held back.
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
     def push(self, token_id: int) -> str:
         """Add one token; return the text it completes (possibly empty)."""
@@ -678,7 +680,6 @@ class StreamingDetokenizer:
 
     def flush(self) -> str:
         """End of stream: an incomplete character left over is shown as U+FFFD, not dropped."""
-        self._utf8.errors = "replace"
         return self._utf8.decode(b"", final=True)
 
 
@@ -937,32 +938,42 @@ print(timer.table())
 #
 # ## 7. The cost of recomputing everything
 #
-# Our loop feeds the *whole* sequence through the model for every new token. Token `n` costs a
-# forward pass over `n` positions, so the time per token should grow with the length. Let us
-# measure it on this machine: generate from a long prompt and plot each step's time.
+# Our loop feeds the *whole* sequence through the model for every new token. The step that
+# produces token `n + 1` is a forward pass over `n` positions, so the time per token should grow
+# with the length. Let us measure it on this machine: time one step at several lengths (the best
+# of three runs each, since other programs share the processor).
 
 # %%
 # NBVAL_IGNORE_OUTPUT
-long_prompt = tokenizer.encode("The history of computing is " * 40)
-timed = generate(model, tokenizer, long_prompt[:200], SamplingParams(max_new_tokens=24))
-lengths = [200 + i for i in range(len(timed.step_seconds))]
+def step_seconds(n_tokens: int, repeats: int = 3) -> float:
+    ids = torch.tensor([long_prompt[:n_tokens]])
+    best = float("inf")
+    with torch.inference_mode():
+        for _ in range(repeats):
+            start = time.perf_counter()
+            greedy_step(model(ids))
+            best = min(best, time.perf_counter() - start)
+    return best
+
+
+long_prompt = tokenizer.encode("The history of computing is a story of people and machines. " * 100)
+lengths = [16, 64, 128, 256, 512, 768]
+seconds = [step_seconds(n) for n in lengths]
 plt.figure(figsize=(6, 3.5))
-plt.plot(lengths, [s * 1e3 for s in timed.step_seconds], marker="o")
-plt.xlabel("sequence length when the token was produced")
+plt.plot(lengths, [s * 1e3 for s in seconds], marker="o")
+plt.xlabel("sequence length when the token is produced")
 plt.ylabel("ms per generated token")
-plt.title("No KV cache: every step recomputes the whole sequence")
+plt.title("No KV cache: each step recomputes the whole sequence", fontsize=10)
+plt.tight_layout()
 plt.grid(alpha=0.3)
 plt.show()
 
 # %%
-short = generate(model, tokenizer, long_prompt[:20], SamplingParams(max_new_tokens=4)).step_seconds
-long = generate(model, tokenizer, long_prompt[:400], SamplingParams(max_new_tokens=4)).step_seconds
-ratio = min(long) / min(short)
-print("a step at 400 tokens costs more than a step at 20 tokens:", ratio > 1.5)
+print("a step at 512 tokens costs over 3x a step at 16 tokens:", seconds[4] > 3 * seconds[0])
 
 # %% [markdown]
-# A step at 400 tokens costs several times a step at 20 tokens, although both produce exactly
-# one token. Everything computed for the first 399 positions was computed before, in the previous
+# A step at 512 tokens costs many times a step at 16 tokens, although both produce exactly one
+# token. Everything computed for the first 511 positions was computed before, in the previous
 # step. Stage 04 keeps the keys and values of past positions in a *KV cache* and the time per
 # token goes flat.
 #

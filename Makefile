@@ -1,0 +1,43 @@
+# aie — AI engineering from scratch. `make lab` to learn, `make test` to check everything.
+# Every target sets itself up: a fresh clone needs only Python 3.10+ and network access to PyPI.
+
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+AIE    := $(VENV)/bin/aie
+MODEL  := data/models/smollm2-135m-instruct/aie-source.json
+STAMP  := $(VENV)/.installed
+NBVAL  := --nbval --nbval-current-env --nbval-sanitize-with solutions/sanitize.cfg -p aie_lessons.course.nbval_plugin
+
+.PHONY: lab test test-fast notebooks model venv clean
+
+venv: $(STAMP)
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -e ".[dev]"
+	touch $(STAMP)
+
+model: $(MODEL)
+$(MODEL): | $(STAMP)
+	$(AIE) fetch-model
+
+## lab: set up everything, then serve the learner notebooks in JupyterLab
+lab: venv model
+	$(VENV)/bin/jupyter lab notebooks/
+
+## test: every test — unit, oracle (vs transformers), derived files in sync, nbval of the
+## solution notebooks, run twice to prove their outputs are deterministic
+test: venv model
+	$(PY) -m pytest tests solutions/*.ipynb $(NBVAL)
+	$(PY) -m pytest solutions/*.ipynb $(NBVAL) -q
+
+## test-fast: unit tests only (tiny random model, seconds)
+test-fast: venv
+	$(PY) -m pytest tests -m "not oracle" -q
+
+## notebooks: regenerate modules, learner notebooks and executed solutions from solutions/*.py
+notebooks: venv model
+	$(PY) -m aie_lessons.course.build
+
+clean:
+	rm -rf $(VENV) data/cache .pytest_cache
