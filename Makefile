@@ -22,8 +22,9 @@ $(MODEL): | $(STAMP)
 	$(AIE) fetch-model
 
 ## lab: set up everything, then serve the learner notebooks in JupyterLab
+# (as root, e.g. in a container, Jupyter refuses to start without --allow-root)
 lab: venv model
-	$(VENV)/bin/jupyter lab notebooks/
+	$(VENV)/bin/jupyter lab --ServerApp.root_dir=notebooks $(if $(filter 0,$(shell id -u)),--allow-root)
 
 ## test: every test — unit, oracle (vs transformers), derived files in sync, nbval of the
 ## solution notebooks, run twice to prove their outputs are deterministic

@@ -361,7 +361,9 @@ print(tokenizer.apply_chat_template([{"role": "user", "content": "What is the ca
 #
 # **Attention** is pluggable: the model looks its attention function up by name, so stage 02 can
 # swap in your hand-written one, stage 05 a flash kernel and stage 07 a paged one, without
-# touching the rest of the model. For now it is PyTorch's `scaled_dot_product_attention`.
+# touching the rest of the model. For now it is PyTorch's `scaled_dot_product_attention`. Two
+# arguments wait for later stages and stay `None` here: an attention `mask` (stage 03) and a KV
+# `cache` (stage 04).
 
 # %%
 # export: model
@@ -376,7 +378,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-# An attention backend takes q (B, Hq, S, D), k and v (B, Hkv, S, D) and returns (B, Hq, S, D).
+# An attention backend takes q (B, Hq, S, D), k and v (B, Hkv, T, D) and an optional boolean
+# mask (B or 1, 1, S, T), True where a query may look; it returns (B, Hq, S, D). No mask means
+# plain causal attention over S == T positions. Stage 03 builds masks, stage 04 makes T > S.
 AttentionFn = Callable[..., torch.Tensor]
 ATTENTION_BACKENDS: dict[str, AttentionFn] = {}
 
@@ -392,9 +396,11 @@ def register_attention_backend(name: str) -> Callable[[AttentionFn], AttentionFn
 
 
 @register_attention_backend("sdpa")
-def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True):
+def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None):
     """PyTorch's fused attention; ``enable_gqa`` lets 9 query heads share 3 key/value heads."""
-    return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=True
+    )
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -446,24 +452,27 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, backend: str):
+    def __init__(self, config: ModelConfig, backend: str, layer_index: int):
         super().__init__()
         self.config = config
         self.backend = backend
+        self.layer_index = layer_index
         d, hq, hkv = config.head_dim, config.num_heads, config.num_kv_heads
         self.q_proj = nn.Linear(config.hidden_size, hq * d, bias=False)
         self.k_proj = nn.Linear(config.hidden_size, hkv * d, bias=False)
         self.v_proj = nn.Linear(config.hidden_size, hkv * d, bias=False)
         self.o_proj = nn.Linear(hq * d, config.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x, cos, sin, mask=None, cache=None) -> torch.Tensor:
         batch, seq, _ = x.shape
         d, hq, hkv = self.config.head_dim, self.config.num_heads, self.config.num_kv_heads
         q = self.q_proj(x).view(batch, seq, hq, d).transpose(1, 2)  # (B, Hq, S, D)
         k = self.k_proj(x).view(batch, seq, hkv, d).transpose(1, 2)  # (B, Hkv, S, D)
         v = self.v_proj(x).view(batch, seq, hkv, d).transpose(1, 2)  # (B, Hkv, S, D)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = ATTENTION_BACKENDS[self.backend](q, k, v, causal=True)  # (B, Hq, S, D)
+        if cache is not None:  # stage 04: store the new keys/values, attend to all kept so far
+            k, v = cache.update(self.layer_index, k, v)  # (B, Hkv, T, D)
+        out = ATTENTION_BACKENDS[self.backend](q, k, v, mask=mask)  # (B, Hq, S, D)
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq, hq * d))
 
 
@@ -481,15 +490,15 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, backend: str):
+    def __init__(self, config: ModelConfig, backend: str, layer_index: int):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, backend)
+        self.self_attn = Attention(config, backend, layer_index)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+    def forward(self, x, cos, sin, mask=None, cache=None) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -500,7 +509,9 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, attention) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, attention, i) for i in range(config.num_layers)
+        )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
@@ -545,14 +556,30 @@ class LlamaModel(nn.Module):
             )
         return model.eval()
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        mask: torch.Tensor | None = None,
+        cache=None,
+    ) -> torch.Tensor:
+        """Logits (B, S, vocab) for token ids (B, S).
+
+        ``positions`` (B, S) are the RoPE positions (default 0..S-1, after what ``cache`` holds);
+        ``mask`` is a boolean (B or 1, 1, S, T) attention mask (stage 03); ``cache`` is a KV cache
+        with ``length``, ``update(layer, k, v)`` and ``advance(n)`` (stage 04).
+        """
         if positions is None:
-            positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
+            start = cache.length if cache is not None else 0
+            positions = torch.arange(start, start + input_ids.shape[1], device=input_ids.device)
+            positions = positions.expand_as(input_ids)
         x = self.embed_tokens(input_ids)  # (B, S, hidden)
         cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta)
         cos, sin = cos.to(x.dtype), sin.to(x.dtype)
         for layer in self.layers:
-            x = layer(x, cos, sin)
+            x = layer(x, cos, sin, mask, cache)
+        if cache is not None:
+            cache.advance(input_ids.shape[1])
         return self.lm_head(self.norm(x))  # (B, S, vocab)
 
 
