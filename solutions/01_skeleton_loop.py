@@ -521,7 +521,9 @@ class LlamaModel(nn.Module):
     def set_attention_backend(self, name: str) -> None:
         if name not in ATTENTION_BACKENDS:
             raise ValueError(
-                f"unknown attention backend {name!r}; registered: {sorted(ATTENTION_BACKENDS)}"
+                f"unknown attention backend {name!r}; registered: {sorted(ATTENTION_BACKENDS)}. "
+                "A backend registers itself when its module is imported (e.g. "
+                "`import aie_lessons.attention` for 'manual')."
             )
         for layer in self.layers:
             layer.self_attn.backend = name

@@ -19,7 +19,14 @@ from pathlib import Path
 
 import nbformat
 
-from aie_lessons.course.source import Stage, export_modules, learner_notebook, load_stage, reference_notebook
+from aie_lessons.course.source import (
+    Stage,
+    defined_names,
+    export_modules,
+    learner_notebook,
+    load_stage,
+    reference_notebook,
+)
 from aie_lessons.paths import REPO_ROOT
 
 SOLUTIONS_DIR = REPO_ROOT / "solutions"
@@ -28,20 +35,18 @@ PACKAGE_DIR = REPO_ROOT / "aie_lessons"
 CELL_TIMEOUT_S = 900
 
 
-def stage_sources(stages: list[str] | None = None) -> list[Path]:
-    sources = sorted(SOLUTIONS_DIR.glob("[0-9][0-9]_*.py"))
-    if stages:
-        sources = [s for s in sources if s.name[:2] in stages]
-    return sources
+def stage_sources() -> list[Path]:
+    return sorted(SOLUTIONS_DIR.glob("[0-9][0-9]_*.py"))
 
 
 def notebook_text(nb: nbformat.NotebookNode) -> str:
     return nbformat.writes(nb) + "\n"
 
 
-def module_files(stage: Stage) -> dict[Path, str]:
+def module_files(stage: Stage, earlier: dict[str, str]) -> dict[Path, str]:
+    """The modules a stage exports; ``earlier`` maps earlier stages' names to their modules."""
     label = stage.source.relative_to(REPO_ROOT).as_posix()
-    modules = export_modules(stage.notebook.cells, label, stage.number)
+    modules = export_modules(stage.notebook.cells, label, stage.number, earlier)
     return {PACKAGE_DIR / f"{name}.py": text for name, text in modules.items()}
 
 
@@ -85,13 +90,19 @@ def build(stages: list[str] | None = None, check: bool = False, run: bool = True
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(text)
 
-    loaded = [load_stage(source) for source in stage_sources(stages)]
-    for stage in loaded:
-        for path, text in module_files(stage).items():
-            sync(path, text)
+    loaded = [load_stage(source) for source in stage_sources()]
+    selected = [s for s in loaded if not stages or s.number in stages]
+    earlier: dict[str, str] = {}
+    for stage in loaded:  # every stage, in order: later stages import earlier stages' names
+        files = module_files(stage, earlier)
+        for path, text in files.items():
+            earlier.update(dict.fromkeys(defined_names(text), path.stem))
+            if stage in selected:
+                sync(path, text)
+    for stage in selected:
         sync(NOTEBOOKS_DIR / f"{stage.name}.ipynb", notebook_text(learner_notebook(stage)))
     # Modules first: a solution notebook may import an earlier stage's module.
-    for stage in loaded:
+    for stage in selected:
         solution_path = SOLUTIONS_DIR / f"{stage.name}.ipynb"
         reference = reference_notebook(stage)
         on_disk = nbformat.read(solution_path, as_version=4) if solution_path.exists() else None

@@ -169,12 +169,21 @@ def _insert_after_preamble(text: str, lines: list[str]) -> str:
     return "\n".join(body[:after] + [""] + lines + body[after:])
 
 
-def export_modules(cells, source_label: str, stage: str) -> dict[str, str]:
+def defined_names(module_text: str) -> set[str]:
+    """The names a module's text defines at top level."""
+    return _top_level_names(ast.parse(module_text))
+
+
+def export_modules(
+    cells, source_label: str, stage: str, earlier: dict[str, str] | None = None
+) -> dict[str, str]:
     """Gather export cells into module texts, keyed by module name.
 
     In the notebook all cells share one namespace; as modules they do not. So a module that uses
     a name defined by another module of the same stage gets ``from aie_lessons.X import name``
     added for it: the notebook stays free of imports that would shadow the learner's own code.
+    ``earlier`` maps names defined by earlier stages' modules to their module, for the names a
+    notebook imported from the package and its exported cells use.
     """
     chunks: dict[str, list[str]] = {}
     for cell in cells:
@@ -189,15 +198,17 @@ def export_modules(cells, source_label: str, stage: str) -> dict[str, str]:
             trees[module] = ast.parse(text)
         except SyntaxError as exc:
             raise SourceError(f"{source_label}: exported module {module!r} does not parse: {exc}")
-    defined_by = {m: _top_level_names(t) for m, t in trees.items()}
+    provider = dict(earlier or {})
+    for module, tree in trees.items():
+        provider.update(dict.fromkeys(_top_level_names(tree), module))
     modules = {}
     for module, text in texts.items():
         missing = _used_names(trees[module]) - _bound_names(trees[module])
-        imports = []
-        for other, names in defined_by.items():
-            wanted = sorted(missing & names) if other != module else []
-            if wanted:
-                imports.append(f"from aie_lessons.{other} import {', '.join(wanted)}")
+        wanted: dict[str, list[str]] = {}
+        for name in sorted(missing):
+            if name in provider and provider[name] != module:
+                wanted.setdefault(provider[name], []).append(name)
+        imports = [f"from aie_lessons.{m} import {', '.join(names)}" for m, names in wanted.items()]
         if imports:
             text = _insert_after_preamble(text, sorted(imports))
         modules[module] = GENERATED_HEADER.format(source=source_label, stage=stage) + text
