@@ -773,6 +773,69 @@ class GenerationResult:
         }
 
 
+def eos_token_ids(model: LlamaModel, tokenizer: Tokenizer) -> set[int]:
+    """Tokens that end a sequence: the model config's and the tokenizer's end-of-sequence ids."""
+    ids = set(model.config.eos_token_ids)
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return ids
+
+
+class SequenceOutput:
+    """One sequence's generated tokens -> streamed text, stop rules and the final result.
+
+    Every generate loop in the course (one sequence here, batches in stages 03, 04 and 06) feeds
+    each new token to one of these, so the rules for stopping and streaming live in one place.
+    """
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        eos_ids: set[int],
+        on_text: Callable[[str], None] | None = None,
+    ):
+        self.result = GenerationResult(prompt_ids=list(prompt_ids))
+        self.detokenizer = StreamingDetokenizer(tokenizer)
+        self.stops = StopStrings(params.stop)
+        self.max_new_tokens = params.max_new_tokens
+        self.eos_ids = eos_ids
+        self.on_text = on_text
+        self.finished = params.max_new_tokens == 0
+
+    def _emit(self, text: str) -> None:
+        self.result.text += text
+        if self.on_text and text:
+            self.on_text(text)
+
+    def _finish(self, reason: str) -> None:
+        if reason != "stop":  # release text held back for a stop string or a partial character
+            self._emit(self.stops.push(self.detokenizer.flush())[0] + self.stops.flush())
+        self.result.finish_reason = reason
+        self.finished = True
+
+    def push(self, token_id: int) -> bool:
+        """Add one generated token; return True once the sequence is finished."""
+        if token_id in self.eos_ids:
+            self._finish("eos")
+            return True
+        self.result.token_ids.append(token_id)
+        text, stopped = self.stops.push(self.detokenizer.push(token_id))
+        self._emit(text)
+        if stopped:
+            self._finish("stop")
+        elif len(self.result.token_ids) >= self.max_new_tokens:
+            self._finish("length")
+        return self.finished
+
+
+def check_prompt(prompt_ids: list[int], params: SamplingParams, model: LlamaModel) -> None:
+    if not prompt_ids:
+        raise ValueError("the prompt is empty: give at least one token")
+    check_fits_context(len(prompt_ids), params.max_new_tokens, model.config.max_position_embeddings)
+
+
 @torch.inference_mode()
 def generate(
     model: LlamaModel,
@@ -786,40 +849,18 @@ def generate(
     ``on_text`` receives text as soon as it is complete (whole characters, stop strings cut),
     which is how the CLI streams to the terminal.
     """
-    if not prompt_ids:
-        raise ValueError("the prompt is empty: give at least one token")
-    check_fits_context(len(prompt_ids), params.max_new_tokens, model.config.max_position_embeddings)
+    check_prompt(prompt_ids, params, model)
     device = model.embed_tokens.weight.device
-    eos_ids = set(model.config.eos_token_ids)
-    if tokenizer.eos_token_id is not None:
-        eos_ids.add(tokenizer.eos_token_id)
-    result = GenerationResult(prompt_ids=list(prompt_ids))
-    detok, stops = StreamingDetokenizer(tokenizer), StopStrings(params.stop)
+    output = SequenceOutput(tokenizer, prompt_ids, params, eos_token_ids(model, tokenizer), on_text)
     ids = list(prompt_ids)
-
-    def emit(text: str) -> None:
-        result.text += text
-        if on_text and text:
-            on_text(text)
-
-    for _ in range(params.max_new_tokens):
+    while not output.finished:
         start = time.perf_counter()
         logits = model(torch.tensor([ids], device=device))  # (1, S, vocab): the whole sequence
         next_id = int(greedy_step(logits)[0])
-        result.step_seconds.append(time.perf_counter() - start)
-        if next_id in eos_ids:
-            result.finish_reason = "eos"
-            break
+        output.result.step_seconds.append(time.perf_counter() - start)
         ids.append(next_id)
-        result.token_ids.append(next_id)
-        text, stopped = stops.push(detok.push(next_id))
-        emit(text)
-        if stopped:
-            result.finish_reason = "stop"
-            break
-    if result.finish_reason != "stop":
-        emit(stops.push(detok.flush())[0] + stops.flush())
-    return result
+        output.push(next_id)
+    return output.result
 
 
 # %% [markdown]

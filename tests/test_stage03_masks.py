@@ -1,0 +1,132 @@
+"""Stage 03: masks, left padding, batched generation equal to one-by-one and to transformers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from aie_lessons.checks import CheckFailed
+from aie_lessons.checks import stage03 as checks
+from aie_lessons.generate import SamplingParams, generate
+from aie_lessons.masks import attention_mask, causal_mask, to_additive
+from aie_lessons.model import LlamaModel
+from aie_lessons.padded_batch import PaddedBatch, generate_batch, left_pad
+from aie_lessons.tokenizer import Tokenizer
+
+QUESTIONS = (
+    "What is the capital of France?",
+    "Name three primary colours.",
+    "Write a haiku about autumn leaves falling on a quiet river.",
+    "Give me one tip for learning to cook.",
+)
+
+
+def test_padded_rows_never_produce_nan(tiny_dir):
+    model = LlamaModel.from_pretrained(tiny_dir)
+    batch = left_pad([[5, 6, 7, 8, 9], [10]], pad_id=0)
+    mask = attention_mask(batch.is_real, 5)
+    with torch.inference_mode():
+        logits = model(batch.input_ids, batch.positions, mask)
+    assert torch.isfinite(logits).all()
+
+
+def test_padding_does_not_change_a_sequences_logits(tiny_dir):
+    model = LlamaModel.from_pretrained(tiny_dir)
+    short = [11, 12, 13]
+    batch = left_pad([short, list(range(20, 30))], pad_id=0)
+    with torch.inference_mode():
+        padded = model(batch.input_ids, batch.positions, attention_mask(batch.is_real, 10))[0, -3:]
+        alone = model(torch.tensor([short]))[0]
+    assert torch.allclose(padded, alone, atol=1e-5)
+
+
+def test_additive_and_boolean_masks_agree():
+    mask = causal_mask(3, 5)
+    scores = torch.randn(3, 5)
+    assert torch.equal(
+        torch.softmax(scores + to_additive(mask), -1),
+        torch.softmax(scores.masked_fill(~mask, torch.finfo(torch.float32).min), -1),
+    )
+
+
+def test_batch_generation_equals_one_by_one_on_tiny_model(tiny_dir):
+    model, tokenizer = LlamaModel.from_pretrained(tiny_dir), Tokenizer.from_pretrained(tiny_dir)
+    prompts = [tokenizer.encode(t) for t in ("The quick", "中文", "emoji 🤗 and more text here", "a")]
+    params = SamplingParams(max_new_tokens=8)
+    together = generate_batch(model, tokenizer, prompts, params)
+    for prompt, result in zip(prompts, together):
+        assert result.token_ids == generate(model, tokenizer, prompt, params).token_ids
+
+
+@pytest.mark.oracle
+def test_batch_of_four_matches_alone_and_transformers(real_model_dir):
+    transformers = pytest.importorskip("transformers")
+    model, tokenizer = LlamaModel.from_pretrained(real_model_dir), Tokenizer.from_pretrained(real_model_dir)
+    prompts = [tokenizer.encode_chat(q) for q in QUESTIONS]
+    assert len({len(p) for p in prompts}) == len(prompts)
+    params = SamplingParams(max_new_tokens=16)
+    together = generate_batch(model, tokenizer, prompts, params)
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(real_model_dir).eval()
+    for prompt, result in zip(prompts, together):
+        assert result.token_ids == generate(model, tokenizer, prompt, params).token_ids
+        with torch.inference_mode():
+            out = theirs.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False,
+                                  pad_token_id=tokenizer.eos_token_id)
+        reference = out[0, len(prompt):].tolist()
+        eos = tokenizer.eos_token_id
+        assert result.token_ids == (reference[: reference.index(eos)] if eos in reference else reference)
+
+
+@pytest.mark.parametrize("wrong, message", [
+    (lambda q, kv: torch.ones(q, kv, dtype=torch.bool).tril(0), "top-left"),
+    (lambda q, kv: torch.ones(q, kv, dtype=torch.bool).tril(kv - q - 1), "diagonal is masked"),
+    (lambda q, kv: torch.ones(q, kv, dtype=torch.bool).triu(kv - q + 1), "inverted"),
+    (lambda q, kv: torch.ones(q, kv).tril(kv - q), "boolean"),
+])
+def test_causal_mask_check_names_the_mistake(wrong, message):
+    with pytest.raises(CheckFailed, match=f"Exercise 3.1: .*{message}"):
+        checks.check_causal_mask(wrong)
+
+
+def right_pad(sequences, pad_id, device="cpu"):
+    width = max(map(len, sequences))
+    ids = torch.tensor([s + [pad_id] * (width - len(s)) for s in sequences])
+    real = torch.tensor([[True] * len(s) + [False] * (width - len(s)) for s in sequences])
+    return PaddedBatch(ids, real, torch.arange(width).expand(len(sequences), width))
+
+
+def pad_positions_from_zero(sequences, pad_id, device="cpu"):
+    batch = left_pad(sequences, pad_id)
+    return PaddedBatch(batch.input_ids, batch.is_real, torch.arange(batch.input_ids.shape[1]).expand_as(batch.input_ids))
+
+
+@pytest.mark.parametrize("wrong, message", [
+    (right_pad, "padded on the right"),
+    (pad_positions_from_zero, "positions count the padding"),
+])
+def test_left_pad_check_names_the_mistake(wrong, message):
+    with pytest.raises(CheckFailed, match=f"Exercise 3.2: .*{message}"):
+        checks.check_left_pad(wrong)
+
+
+def mask_without_self(is_real, q_len):
+    return (causal_mask(q_len, is_real.shape[1])[None] & is_real[:, None, :])[:, None]
+
+
+def mask_without_padding(is_real, q_len):
+    return causal_mask(q_len, is_real.shape[1])[None, None].expand(is_real.shape[0], 1, -1, -1)
+
+
+@pytest.mark.parametrize("wrong, message", [
+    (mask_without_self, "sees no key at all"),
+    (mask_without_padding, "padding keys are visible"),
+])
+def test_attention_mask_check_names_the_mistake(wrong, message):
+    with pytest.raises(CheckFailed, match=f"Exercise 3.3: .*{message}"):
+        checks.check_attention_mask(wrong)
+
+
+def test_reference_implementations_pass():
+    checks.check_causal_mask(causal_mask)
+    checks.check_left_pad(left_pad)
+    checks.check_attention_mask(attention_mask)
