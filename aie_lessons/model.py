@@ -33,9 +33,17 @@ def register_attention_backend(name: str) -> Callable[[AttentionFn], AttentionFn
 
 @register_attention_backend("sdpa")
 def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None):
-    """PyTorch's fused attention; ``enable_gqa`` lets 9 query heads share 3 key/value heads."""
+    """PyTorch's fused attention; ``enable_gqa`` lets 9 query heads share 3 key/value heads.
+
+    Without a mask, the S queries are the last S of the T positions. PyTorch's ``is_causal``
+    aligns its triangle to the top-left corner, which is only right when S == T, so for
+    S < T we build the bottom-right-aligned triangle ourselves (one query needs none).
+    """
+    seq, kv_len = q.shape[-2], k.shape[-2]
+    if mask is None and 1 < seq != kv_len:
+        mask = torch.ones(seq, kv_len, dtype=torch.bool, device=q.device).tril(kv_len - seq)
     return F.scaled_dot_product_attention(
-        q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=True
+        q, k, v, attn_mask=mask, is_causal=mask is None and seq > 1, enable_gqa=True
     )
 
 
@@ -196,12 +204,15 @@ class LlamaModel(nn.Module):
         positions: torch.Tensor | None = None,
         mask: torch.Tensor | None = None,
         cache=None,
+        last_position_only: bool = False,
     ) -> torch.Tensor:
-        """Logits (B, S, vocab) for token ids (B, S).
+        """Logits (B, S, vocab) for token ids (B, S) — or (B, 1, vocab) for the last position.
 
         ``positions`` (B, S) are the RoPE positions (default 0..S-1, after what ``cache`` holds);
         ``mask`` is a boolean (B or 1, 1, S, T) attention mask (stage 03); ``cache`` is a KV cache
-        with ``length``, ``update(layer, k, v)`` and ``advance(n)`` (stage 04).
+        with ``length``, ``update(layer, k, v)`` and ``advance(n)`` (stage 04). Generation only
+        needs the last position's logits: ``last_position_only`` skips the output head's work
+        (S × 576 × 49152 multiply-adds) for all the others.
         """
         if positions is None:
             start = cache.length if cache is not None else 0
@@ -214,4 +225,6 @@ class LlamaModel(nn.Module):
             x = layer(x, cos, sin, mask, cache)
         if cache is not None:
             cache.advance(input_ids.shape[1])
+        if last_position_only:
+            x = x[:, -1:]
         return self.lm_head(self.norm(x))  # (B, S, vocab)

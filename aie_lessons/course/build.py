@@ -8,12 +8,14 @@
 
 ``--check`` writes nothing and fails when any of them is stale, so a maintainer who edits a
 source and forgets to rebuild is told by ``make test``. Executing is skipped in ``--check``: the
-solution notebook is compared cell by cell (ids, types, sources) and must have outputs.
+solution notebook is compared cell by cell (ids, types, sources), must have outputs, and must
+record the digest of the sources it was executed from (its own and earlier stages', the checks).
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import sys
 from pathlib import Path
 
@@ -65,6 +67,16 @@ def execute(nb: nbformat.NotebookNode, cwd: Path) -> nbformat.NotebookNode:
     return nb
 
 
+def inputs_digest(stage: Stage, stages: list[Stage]) -> str:
+    """A hash of everything a solution notebook's outputs depend on that the course writes:
+    this stage's source, every earlier stage's (their modules are imported) and the checks."""
+    digest = hashlib.sha256()
+    sources = [s.source for s in stages if s.number <= stage.number]
+    for path in [*sources, *sorted((PACKAGE_DIR / "checks").glob("*.py"))]:
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
 def same_cells(a: nbformat.NotebookNode, b: nbformat.NotebookNode) -> bool:
     def key(nb):
         return [(c.get("id"), c.cell_type, c.source) for c in nb.cells]
@@ -105,8 +117,14 @@ def build(stages: list[str] | None = None, check: bool = False, run: bool = True
     for stage in selected:
         solution_path = SOLUTIONS_DIR / f"{stage.name}.ipynb"
         reference = reference_notebook(stage)
+        reference.metadata["aie"] = {"inputs": inputs_digest(stage, loaded)}
         on_disk = nbformat.read(solution_path, as_version=4) if solution_path.exists() else None
-        if on_disk is not None and same_cells(on_disk, reference) and is_executed(on_disk):
+        if (
+            on_disk is not None
+            and same_cells(on_disk, reference)
+            and is_executed(on_disk)
+            and on_disk.metadata.get("aie") == reference.metadata["aie"]
+        ):
             continue
         stale.append(str(solution_path.relative_to(REPO_ROOT)))
         if run and not check:

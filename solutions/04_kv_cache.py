@@ -1,0 +1,349 @@
+# ---
+# jupyter:
+#   jupytext:
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#   kernelspec:
+#     display_name: Python 3 (ipykernel)
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # Stage 04 — The KV cache
+#
+# Stage 01 ended with a chart: the time per token grew with the length, because every step
+# recomputed every position. Look at what a step really needs. The new token's query must meet
+# the keys and values of *all* positions — but the keys and values of old positions do not change
+# (a causal model never lets an old position see a new one). So compute them once and keep them:
+#
+# ```
+#  prefill:  prompt (S tokens) ─► model ─► k, v of S positions ──► cache[:, :, 0:S]
+#  decode:   1 new token       ─► model ─► k, v of 1 position  ──► cache[:, :, S]
+#                                  query attends to cache[:, :, 0:S+1]
+# ```
+#
+# Each decoding step then processes one token instead of the whole sequence.
+
+# %%
+import time
+
+import matplotlib.pyplot as plt
+import torch
+
+from aie_lessons import checks
+from aie_lessons.config import ModelConfig
+from aie_lessons.generate import (
+    GenerationResult,
+    SamplingParams,
+    SequenceOutput,
+    check_prompt,
+    eos_token_ids,
+    generate,
+    greedy_step,
+)
+from aie_lessons.masks import attention_mask
+from aie_lessons.model import LlamaModel
+from aie_lessons.padded_batch import generate_batch, left_pad
+from aie_lessons.paths import default_model_dir
+from aie_lessons.tokenizer import Tokenizer
+
+torch.manual_seed(0)
+MODEL_DIR = default_model_dir()
+model = LlamaModel.from_pretrained(MODEL_DIR)
+tokenizer = Tokenizer.from_pretrained(MODEL_DIR)
+config = model.config
+
+# %% [markdown]
+# ## 1. How much memory?
+#
+# For every layer, every kv head and every position we keep a key and a value vector of
+# `head_dim` numbers:
+#
+# **bytes = 2 (k and v) × layers × kv_heads × head_dim × tokens × batch × bytes per number**
+#
+# Grouped-query attention pays off here: with 3 kv heads instead of 9 the cache is 3× smaller.
+
+# %%
+# export: kv_cache
+"""A contiguous, preallocated KV cache written in place."""
+
+from __future__ import annotations
+
+import torch
+
+
+class CacheFullError(ValueError):
+    """A request needs more positions than the cache was allocated for."""
+
+
+def kv_cache_bytes(config: ModelConfig, tokens: int, batch: int, dtype: torch.dtype) -> int:
+    """2 × layers × kv_heads × head_dim × tokens × batch × bytes per element."""
+    element = torch.empty((), dtype=dtype).element_size()
+    return 2 * config.num_layers * config.num_kv_heads * config.head_dim * tokens * batch * element
+
+
+# %%
+print(f"{'context':>8} {'batch':>6} {'fp32':>10} {'bf16':>10}")
+for tokens in (2048, 8192):
+    for batch in (1, 8):
+        fp32 = kv_cache_bytes(config, tokens, batch, torch.float32)
+        bf16 = kv_cache_bytes(config, tokens, batch, torch.bfloat16)
+        print(f"{tokens:>8} {batch:>6} {fp32 / 2**20:>7.0f} MiB {bf16 / 2**20:>7.0f} MiB")
+
+# %% [markdown]
+# At the full 8k context a batch of 8 needs 2.8 GiB in fp32: five times the model's own weights.
+# Serving many long requests is limited by the cache, not the weights — the reason for stage 07's
+# paged cache.
+#
+# ## 2. The cache
+#
+# One tensor for keys and one for values, allocated once at full size:
+# `(layers, batch, kv_heads, max_len, head_dim)`. `length` counts the positions written. Each
+# layer's attention calls `update(layer, k, v)` with the new positions' keys and values; the
+# cache writes them *in place* after the ones it holds, and returns everything so far. The model
+# calls `advance(n)` once all layers have written.
+#
+# ### Exercise 4.1 — write in place, return the history
+
+# %%
+# export: kv_cache
+class KVCache:
+    """Keys and values of past positions: (layers, batch, kv_heads, max_len, head_dim) each."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        batch_size: int,
+        max_len: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ):
+        shape = (config.num_layers, batch_size, config.num_kv_heads, max_len, config.head_dim)
+        self.keys = torch.zeros(shape, dtype=dtype, device=device)
+        self.values = torch.zeros(shape, dtype=dtype, device=device)
+        self.max_len = max_len
+        self.length = 0
+
+    @property
+    def nbytes(self) -> int:
+        return self.keys.nbytes + self.values.nbytes
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store k, v (B, Hkv, S, D) at positions length … length+S-1; return all (B, Hkv, T, D)."""
+        new = k.shape[2]
+        if self.length + new > self.max_len:
+            raise CacheFullError(
+                f"the KV cache holds {self.max_len} positions; {self.length} are used and "
+                f"{new} more were written. Fix: allocate max_len ≥ prompt + max_new_tokens "
+                f"(here {self.length + new})."
+            )
+        # BEGIN EXERCISE 4.1: copy k and v into this layer's slice at positions length … length+new-1, then return views of positions 0 … length+new-1 | Hint: self.keys[layer, :, :, start:end] = k writes in place; self.keys[layer, :, :, :end] is a view.
+        end = self.length + new
+        self.keys[layer, :, :, self.length:end] = k
+        self.values[layer, :, :, self.length:end] = v
+        return self.keys[layer, :, :, :end], self.values[layer, :, :, :end]
+        # END EXERCISE 4.1
+
+    def advance(self, n: int) -> None:
+        """Called by the model once every layer has stored ``n`` new positions."""
+        self.length += n
+
+    def reset(self) -> None:
+        """Reuse the memory for a new request: old entries are simply overwritten."""
+        self.length = 0
+
+
+# %%
+# Check exercise 4.1
+checks.stage04.check_kv_cache(KVCache, config)
+
+# %%
+cache = KVCache(config, batch_size=1, max_len=2048)
+print("allocated:", cache.nbytes, "bytes; formula:", kv_cache_bytes(config, 2048, 1, torch.float32),
+      "bytes; equal:", cache.nbytes == kv_cache_bytes(config, 2048, 1, torch.float32))
+
+# %% [markdown]
+# ## 3. Generating with the cache
+#
+# A request is now two phases. **Prefill** runs the whole (left-padded) prompt once and fills the
+# cache. **Decode** feeds one token per sequence per step. Two things must stay in step:
+#
+# * the *cache index*: where a token's key is stored — the same column for every sequence of the
+#   batch, padding included;
+# * the *RoPE position*: how far the token is from its own sequence's start — padding excluded.
+#
+# They differ by the amount of left padding. Mixing them up changes nothing for a single prompt
+# and silently breaks every padded one.
+#
+# ### Exercise 4.2 — the position of the next token
+
+# %%
+# export: cached_generate
+"""Generation with a KV cache: prefill the prompts once, then decode one token per step."""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import torch
+
+
+def next_positions(is_real: torch.Tensor) -> torch.Tensor:
+    """RoPE positions (B, 1) of the tokens about to be appended, given which cached columns are real."""
+    # BEGIN EXERCISE 4.2: a sequence's next position is the number of its real tokens so far | Hint: is_real.sum(dim=-1, keepdim=True); the cache length is_real.shape[1] also counts padding.
+    return is_real.sum(dim=-1, keepdim=True)
+    # END EXERCISE 4.2
+
+
+@torch.inference_mode()
+def generate_cached(
+    model: LlamaModel,
+    tokenizer: Tokenizer,
+    prompts: list[list[int]],
+    params: SamplingParams = SamplingParams(),
+    on_text: Callable[[int, str], None] | None = None,
+) -> list[GenerationResult]:
+    """Greedy generation for one or more prompts with a KV cache.
+
+    ``on_text(i, text)`` streams prompt ``i``'s text as it is produced.
+    """
+    for prompt in prompts:
+        check_prompt(prompt, params, model)
+    device = model.embed_tokens.weight.device
+    eos_ids = eos_token_ids(model, tokenizer)
+    outputs = [
+        SequenceOutput(tokenizer, p, params, eos_ids, on_text and (lambda t, i=i: on_text(i, t)))
+        for i, p in enumerate(prompts)
+    ]
+    batch = left_pad(prompts, pad_id=min(eos_ids) if eos_ids else 0, device=device)
+    width = batch.input_ids.shape[1]
+    cache = KVCache(model.config, len(prompts), width + params.max_new_tokens,
+                    dtype=model.embed_tokens.weight.dtype, device=device)
+    padded = not bool(batch.is_real.all())
+    is_real = batch.is_real
+    # Without padding, the default causal mask is the right one: no mask tensor to build.
+    mask = attention_mask(is_real, width) if padded else None
+    start = time.perf_counter()
+    logits = model(batch.input_ids, batch.positions, mask, cache, last_position_only=True)
+    while True:
+        next_ids = greedy_step(logits)  # (B,)
+        elapsed = time.perf_counter() - start
+        for output, token in zip(outputs, next_ids.tolist()):
+            if not output.finished:
+                output.result.step_seconds.append(elapsed)
+                output.push(token)
+        if all(o.finished for o in outputs):
+            break
+        start = time.perf_counter()
+        positions = next_positions(is_real)
+        is_real = torch.cat([is_real, torch.ones_like(is_real[:, :1])], dim=1)
+        mask = attention_mask(is_real, 1) if padded else None
+        logits = model(next_ids[:, None], positions, mask, cache)
+    return [o.result for o in outputs]
+
+
+# %%
+# Check exercise 4.2
+checks.stage04.check_next_positions(next_positions)
+
+# %% [markdown]
+# ## 4. The invariants
+#
+# A cache is an optimisation: it must not change a single token. Three checks, on this machine:
+#
+# 1. cache on = cache off, for one prompt and for a padded batch;
+# 2. prefill of N tokens then decoding the rest gives the same logits as recomputing everything;
+# 3. a request that does not fit is refused with the numbers.
+
+# %%
+prompts = [tokenizer.encode_chat(q) for q in (
+    "What is the capital of France?",
+    "Name three primary colours.",
+    "Write a haiku about autumn leaves falling on a quiet river.",
+    "Give me one tip for learning to cook.",
+)]
+params = SamplingParams(max_new_tokens=24)
+single_cached = generate_cached(model, tokenizer, prompts[:1], params)[0]
+single_plain = generate(model, tokenizer, prompts[0], params)
+print("one prompt, cache on == cache off:", single_cached.token_ids == single_plain.token_ids)
+batch_cached = generate_cached(model, tokenizer, prompts, params)
+batch_plain = generate_batch(model, tokenizer, prompts, params)
+print("four padded prompts, cache on == cache off:",
+      [c.token_ids == p.token_ids for c, p in zip(batch_cached, batch_plain)])
+
+# %%
+ids = torch.tensor([tokenizer.encode("The lighthouse keeper climbed the stairs every night to")])
+with torch.inference_mode():
+    full = model(ids)
+    cache = KVCache(config, 1, ids.shape[1])
+    prefill = model(ids[:, :8], cache=cache)
+    decoded = [model(ids[:, i:i + 1], cache=cache) for i in range(8, ids.shape[1])]
+stepwise = torch.cat([prefill, *decoded], dim=1)
+print("prefill 8 + decode the rest == full recompute (max diff < 1e-4):",
+      (stepwise - full).abs().max().item() < 1e-4)
+
+# %%
+try:
+    generate_cached(model, tokenizer, [[1] * 8000], SamplingParams(max_new_tokens=500))
+except ValueError as error:
+    print(type(error).__name__ + ":", error)
+
+# %% [markdown]
+# ## 5. Time per token, with and without the cache
+#
+# Measured here: a step without the cache processes the whole sequence; with it, one token.
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+text_ids = tokenizer.encode("The history of computing is a story of people and machines. " * 60)
+
+
+def plain_step_seconds(n_tokens: int) -> float:
+    """One step of stage 01's loop at sequence length n (best of 3)."""
+    ids = torch.tensor([text_ids[:n_tokens]])
+    best = float("inf")
+    with torch.inference_mode():
+        for _ in range(3):
+            start = time.perf_counter()
+            greedy_step(model(ids))
+            best = min(best, time.perf_counter() - start)
+    return best
+
+
+lengths = [16, 64, 128, 256, 384]
+plain = [plain_step_seconds(n) for n in lengths]
+cached = generate_cached(model, tokenizer, [text_ids[:16]],
+                         SamplingParams(max_new_tokens=lengths[-1] - 16))[0]
+decode_steps = cached.step_seconds[1:]  # [0] is the prefill
+plt.figure(figsize=(6.5, 3.5))
+plt.plot(lengths, [s * 1e3 for s in plain], marker="o", label="no cache (stage 01)")
+plt.plot(range(17, 17 + len(decode_steps)), [s * 1e3 for s in decode_steps], label="KV cache")
+plt.xlabel("sequence length when the token is produced")
+plt.ylabel("ms per generated token")
+plt.yscale("log")
+plt.legend()
+plt.grid(alpha=0.3)
+plt.title("Time per token: grows without the cache, flat with it", fontsize=10)
+plt.tight_layout()
+plt.show()
+print(f"at {lengths[-1]} tokens: {plain[-1] * 1e3:.0f} ms without the cache, "
+      f"{sorted(decode_steps)[len(decode_steps) // 2] * 1e3:.0f} ms (median) with it")
+
+# %% [markdown]
+# With the cache the time per token is nearly flat: each step reads every weight once (538 MB
+# in fp32) and a little more cache. That makes decoding *memory-bound*: its speed limit is the
+# memory bandwidth you measured in stage 00, divided by the bytes read per token.
+# `benchmarks/decode.py` measures how close the engine comes to that roofline, against
+# `transformers` on the same weights, in fp32 and bf16.
+#
+# ## Summary
+#
+# | piece | what it does |
+# |---|---|
+# | `kv_cache_bytes` | 2 × layers × kv_heads × head_dim × tokens × batch × bytes |
+# | `KVCache.update` | writes new k/v in place, returns the history as views |
+# | `next_positions` | RoPE positions count real tokens, cache columns count all |
+# | `generate_cached` | prefill once, then one token per step |
