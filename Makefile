@@ -9,7 +9,7 @@ MODEL  := data/models/smollm2-135m-instruct/aie-source.json
 STAMP  := $(VENV)/.installed
 NBVAL  := --nbval --nbval-current-env --nbval-sanitize-with solutions/sanitize.cfg -p aie_lessons.course.nbval_plugin
 
-.PHONY: lab test test-fast notebooks model venv clean
+.PHONY: lab test test-fast notebooks bench model venv clean
 
 venv: $(STAMP)
 $(STAMP): pyproject.toml
@@ -39,6 +39,10 @@ test-fast: venv
 ## notebooks: regenerate modules, learner notebooks and executed solutions from solutions/*.py
 notebooks: venv model
 	$(PY) -m aie_lessons.course.build
+
+## bench: decode speed of our engine vs transformers vs the memory roofline (ratios, one run)
+bench: venv model
+	$(PY) benchmarks/decode.py
 
 clean:
 	rm -rf $(VENV) data/cache .pytest_cache

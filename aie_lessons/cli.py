@@ -22,6 +22,7 @@ def _fetch_model(args: argparse.Namespace) -> int:
 def _generate(args: argparse.Namespace) -> int:
     import torch
 
+    from aie_lessons.cached_generate import generate_cached
     from aie_lessons.generate import SamplingParams, generate
     from aie_lessons.model import LlamaModel
     from aie_lessons.paths import default_model_dir
@@ -38,7 +39,11 @@ def _generate(args: argparse.Namespace) -> int:
         sys.stdout.write(text)
         sys.stdout.flush()
 
-    result = generate(model, tokenizer, prompt_ids, params, on_text=None if args.json else stream)
+    if args.no_cache:  # stage 01's skeleton loop: recomputes the whole sequence every step
+        result = generate(model, tokenizer, prompt_ids, params, on_text=None if args.json else stream)
+    else:
+        on_text = None if args.json else (lambda _index, text: stream(text))
+        result = generate_cached(model, tokenizer, [prompt_ids], params, on_text=on_text)[0]
     if args.json:
         print(json.dumps({
             "prompt_ids": result.prompt_ids,
@@ -75,6 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--max-new-tokens", type=int, default=64)
     gen.add_argument("--stop", action="append", metavar="TEXT", help="stop string (repeatable)")
     gen.add_argument("--json", action="store_true", help="print one JSON object at the end")
+    gen.add_argument("--no-cache", action="store_true",
+                     help="use stage 01's loop without a KV cache (slow: for comparison)")
     gen.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     gen.add_argument("--device", default="cpu", help="cpu or cuda")
     gen.add_argument("--model", metavar="DIR", help="checkpoint folder (default: the fetched model)")
@@ -89,12 +96,13 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     # Errors that the course raises carry their own fix: print them plainly, not as a traceback.
     from aie_lessons.generate import ContextLengthError
+    from aie_lessons.kv_cache import CacheFullError
     from aie_lessons.model_files import ModelFilesError
     from aie_lessons.weights import WeightsError
 
     try:
         return args.run(args)
-    except (ContextLengthError, ModelFilesError, WeightsError, FileNotFoundError) as exc:
+    except (ContextLengthError, CacheFullError, ModelFilesError, WeightsError, FileNotFoundError) as exc:
         print(f"aie {args.command}: error: {exc}", file=sys.stderr)
         return 2
 

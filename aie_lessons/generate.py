@@ -20,6 +20,7 @@ class SamplingParams:
 
     max_new_tokens: int = 64
     stop: tuple[str, ...] = ()
+    ignore_eos: bool = False  # benchmarks: always generate max_new_tokens
 
 
 class ContextLengthError(ValueError):
@@ -120,7 +121,7 @@ class SequenceOutput:
         self.detokenizer = StreamingDetokenizer(tokenizer)
         self.stops = StopStrings(params.stop)
         self.max_new_tokens = params.max_new_tokens
-        self.eos_ids = eos_ids
+        self.eos_ids = set() if params.ignore_eos else eos_ids
         self.on_text = on_text
         self.finished = params.max_new_tokens == 0
 

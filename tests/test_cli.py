@@ -55,3 +55,10 @@ def test_chat_answer_about_france(real_model_dir):
     out = run("generate", "--chat", "What is the capital of France?", "--max-new-tokens", "32")
     assert out.returncode == 0, out.stderr
     assert "Paris" in out.stdout
+
+
+def test_cached_and_uncached_generation_agree(tiny_dir):
+    args = ("generate", "The quick", "--model", str(tiny_dir), "--max-new-tokens", "10", "--json")
+    cached = json.loads(run(*args).stdout)
+    plain = json.loads(run(*args, "--no-cache").stdout)
+    assert cached["token_ids"] == plain["token_ids"] and cached["text"] == plain["text"]

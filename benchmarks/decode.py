@@ -1,0 +1,137 @@
+"""Batch-1 greedy decode speed: our engine (fp32, bf16) vs transformers vs the memory roofline.
+
+Everything is measured in one process, interleaved round by round, because this machine's memory
+bandwidth changes from run to run: only ratios measured side by side mean anything. Decoding one
+token reads every weight once, so the roofline is bandwidth / bytes of weights per token.
+
+    .venv/bin/python benchmarks/decode.py [--tokens 128] [--rounds 3] [--compile]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+import warnings
+
+import torch
+
+from aie_lessons.cached_generate import generate_cached
+from aie_lessons.generate import SamplingParams
+from aie_lessons.model import LlamaModel
+from aie_lessons.paths import default_model_dir
+from aie_lessons.tokenizer import Tokenizer
+
+PROMPT = "Write a long story about a lighthouse keeper and the sea."
+PROBE_BYTES = 512 * 2**20
+TARGETS = {  # from the course's decode-speed issue
+    "ours fp32 / transformers fp32": 2.5,
+    "ours fp32 / fp32 roofline": 0.75,
+    "ours bf16 / ours fp32": 1.6,
+}
+
+
+def copy_bandwidth(repeats: int = 5) -> float:
+    """Bytes per second moved by a large tensor copy (bytes read + bytes written)."""
+    source = torch.ones(PROBE_BYTES // 4)
+    target = torch.empty_like(source)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        target.copy_(source)
+        best = min(best, time.perf_counter() - start)
+    return 2 * PROBE_BYTES / best
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes read per decoded token: every parameter once (the tied head is the embedding)."""
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def ours(model, tokenizer, prompt_ids, tokens: int) -> float:
+    params = SamplingParams(max_new_tokens=tokens, ignore_eos=True)
+    result = generate_cached(model, tokenizer, [prompt_ids], params)[0]
+    assert len(result.token_ids) == tokens
+    decode = result.step_seconds[1:]  # [0] is the prefill
+    return len(decode) / sum(decode)
+
+
+def transformers_speed(model, prompt_ids, tokens: int, pad_id: int) -> float:
+    """Decode tokens/s of ``generate``: its total time minus one prefill, timed alone."""
+    ids = torch.tensor([prompt_ids])
+    with torch.inference_mode():
+        start = time.perf_counter()
+        model(ids)
+        prefill = time.perf_counter() - start
+        start = time.perf_counter()
+        out = model.generate(ids, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False,
+                             pad_token_id=pad_id)
+        total = time.perf_counter() - start
+    assert out.shape[1] - ids.shape[1] == tokens
+    return (tokens - 1) / max(total - prefill, 1e-9)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--compile", action="store_true",
+                        help="also time our fp32 model under torch.compile (minutes of compiling)")
+    args = parser.parse_args()
+    import transformers
+
+    warnings.filterwarnings("ignore")
+    model_dir = default_model_dir()
+    tokenizer = Tokenizer.from_pretrained(model_dir)
+    prompt_ids = tokenizer.encode_chat(PROMPT)
+    fp32 = LlamaModel.from_pretrained(model_dir, dtype=torch.float32)
+    bf16 = LlamaModel.from_pretrained(model_dir, dtype=torch.bfloat16)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    systems = {
+        "ours fp32": lambda: ours(fp32, tokenizer, prompt_ids, args.tokens),
+        "ours bf16": lambda: ours(bf16, tokenizer, prompt_ids, args.tokens),
+        "transformers fp32": lambda: transformers_speed(hf, prompt_ids, args.tokens, tokenizer.eos_token_id),
+    }
+    if args.compile:
+        compiled = LlamaModel.from_pretrained(model_dir, dtype=torch.float32)
+        compiled.forward = torch.compile(compiled.forward, mode="max-autotune")
+        systems["ours fp32 compiled"] = lambda: ours(compiled, tokenizer, prompt_ids, args.tokens)
+        print("compiling (first round includes it; it is not counted) ...", flush=True)
+        systems["ours fp32 compiled"]()
+
+    speeds: dict[str, list[float]] = {name: [] for name in systems}
+    bandwidths: list[float] = []
+    for round_ in range(args.rounds):
+        bandwidths.append(copy_bandwidth())
+        for name, run in systems.items():
+            speeds[name].append(run())
+        print(f"round {round_ + 1}: bandwidth {bandwidths[-1] / 1e9:.1f} GB/s, "
+              + ", ".join(f"{n} {s[-1]:.1f} tok/s" for n, s in speeds.items()), flush=True)
+
+    median = {name: statistics.median(v) for name, v in speeds.items()}
+    bandwidth = statistics.median(bandwidths)
+    roofline = {"fp32": bandwidth / weight_bytes(fp32), "bf16": bandwidth / weight_bytes(bf16)}
+    print(f"\nmemory bandwidth (copy probe): {bandwidth / 1e9:.1f} GB/s")
+    print(f"roofline: fp32 {roofline['fp32']:.1f} tok/s ({weight_bytes(fp32) / 1e6:.0f} MB/token), "
+          f"bf16 {roofline['bf16']:.1f} tok/s ({weight_bytes(bf16) / 1e6:.0f} MB/token)")
+    print(f"\n{'system':<22} {'tok/s (median)':>15} {'of its roofline':>16}")
+    for name, value in median.items():
+        kind = "bf16" if "bf16" in name else "fp32"
+        print(f"{name:<22} {value:>15.1f} {value / roofline[kind]:>15.0%}")
+    ratios = {
+        "ours fp32 / transformers fp32": median["ours fp32"] / median["transformers fp32"],
+        "ours fp32 / fp32 roofline": median["ours fp32"] / roofline["fp32"],
+        "ours bf16 / ours fp32": median["ours bf16"] / median["ours fp32"],
+    }
+    if args.compile:
+        ratios["ours fp32 compiled / transformers fp32"] = median["ours fp32 compiled"] / median["transformers fp32"]
+        ratios["ours fp32 compiled / fp32 roofline"] = median["ours fp32 compiled"] / roofline["fp32"]
+    print(f"\n{'ratio':<40} {'measured':>9} {'target':>7}")
+    for name, value in ratios.items():
+        target = TARGETS.get(name)
+        verdict = "" if target is None else ("met" if value >= target else "NOT met")
+        print(f"{name:<40} {value:>9.2f} {target or '':>7} {verdict}")
+
+
+if __name__ == "__main__":
+    main()
