@@ -64,6 +64,47 @@ def _env(args: argparse.Namespace) -> int:
     return 0
 
 
+def _grade(args: argparse.Namespace) -> int:
+    from aie_lessons.course.grade import format_report, grade, write_junit
+
+    stages = args.stages.split(",") if args.stages else None
+    results = grade(Path(args.submission), stages, cell_timeout=args.cell_timeout)
+    print(format_report(results))
+    if args.junit:
+        write_junit(results, Path(args.junit))
+        print(f"\nJUnit XML written to {args.junit}")
+    return 0 if all(r.passed for r in results) else 1
+
+
+def _status(args: argparse.Namespace) -> int:
+    from aie_lessons.course.progress import status_table
+
+    print(status_table())
+    return 0
+
+
+def _commit(args: argparse.Namespace) -> int:
+    from aie_lessons.course.progress import commit
+
+    results = commit(args.stage, Path(args.notebook) if args.notebook else None)
+    failed = [r for r in results if not r.passed]
+    if failed:
+        print(f"not committed: stage {args.stage}'s checks fail on your code.")
+        for r in failed:
+            print(f"  exercise {r.exercise}: {r.message}")
+        return 1
+    print(f"committed: aie_lessons now runs your stage {args.stage} ({len(results)} checks pass).")
+    return 0
+
+
+def _reset(args: argparse.Namespace) -> int:
+    from aie_lessons.course.progress import reset
+
+    reset(args.stage)
+    print(f"stage {args.stage} reset: aie_lessons runs the reference code for it.")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="aie", description="AI engineering from scratch.")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -89,12 +130,34 @@ def build_parser() -> argparse.ArgumentParser:
 
     env = commands.add_parser("env", help="report versions, hardware and Triton availability")
     env.set_defaults(run=_env)
+
+    grade = commands.add_parser("grade", help="grade a folder of a learner's notebooks")
+    grade.add_argument("submission", metavar="SUBMISSION_DIR")
+    grade.add_argument("--stages", help="comma-separated stage numbers, e.g. 01,02")
+    grade.add_argument("--junit", metavar="FILE", help="also write JUnit XML")
+    grade.add_argument("--cell-timeout", type=int, default=300, metavar="SECONDS",
+                       help="a cell running longer fails (default 300)")
+    grade.set_defaults(run=_grade)
+
+    status = commands.add_parser("status", help="your stages: committed or reference, checks")
+    status.set_defaults(run=_status)
+
+    commit = commands.add_parser("commit", help="put your stage's code into aie_lessons")
+    commit.add_argument("stage", metavar="NN")
+    commit.add_argument("--notebook", metavar="PATH", help="default: notebooks/NN_*.ipynb")
+    commit.set_defaults(run=_commit)
+
+    reset = commands.add_parser("reset", help="put the reference code of a stage back")
+    reset.add_argument("stage", metavar="NN")
+    reset.set_defaults(run=_reset)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     # Errors that the course raises carry their own fix: print them plainly, not as a traceback.
+    from aie_lessons.course.grade import GradeError
+    from aie_lessons.course.progress import ProgressError
     from aie_lessons.generate import ContextLengthError
     from aie_lessons.kv_cache import CacheFullError
     from aie_lessons.model_files import ModelFilesError
@@ -102,7 +165,8 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         return args.run(args)
-    except (ContextLengthError, CacheFullError, ModelFilesError, WeightsError, FileNotFoundError) as exc:
+    except (ContextLengthError, CacheFullError, ModelFilesError, WeightsError, FileNotFoundError,
+            ProgressError, GradeError) as exc:
         print(f"aie {args.command}: error: {exc}", file=sys.stderr)
         return 2
 

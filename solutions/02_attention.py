@@ -33,6 +33,12 @@
 # D = 64 the head size.
 
 # %%
+# Stages you committed with `aie commit` are imported below; this checks them first.
+from aie_lessons.course.progress import verify_committed_stages
+
+verify_committed_stages(before="02")
+
+# %%
 import matplotlib.pyplot as plt
 import torch
 

@@ -26,6 +26,12 @@
 # gives each prompt exactly the tokens it gets alone.
 
 # %%
+# Stages you committed with `aie commit` are imported below; this checks them first.
+from aie_lessons.course.progress import verify_committed_stages
+
+verify_committed_stages(before="03")
+
+# %%
 import matplotlib.pyplot as plt
 import torch
 import torch.nn.functional as F

@@ -27,6 +27,12 @@
 # Each decoding step then processes one token instead of the whole sequence.
 
 # %%
+# Stages you committed with `aie commit` are imported below; this checks them first.
+from aie_lessons.course.progress import verify_committed_stages
+
+verify_committed_stages(before="04")
+
+# %%
 import time
 
 import matplotlib.pyplot as plt

@@ -89,12 +89,19 @@ def test_stage_01_has_four_checked_exercises():
 
 
 @pytest.mark.oracle
-def test_learner_notebook_runs_until_its_first_exercise(real_model_dir):
+@pytest.mark.parametrize("source", build.stage_sources(), ids=lambda p: p.stem)
+def test_learner_notebook_runs_until_its_first_exercise(source):
+    """A fresh kernel runs every learner notebook top to bottom up to its first unsolved exercise."""
     from nbclient.exceptions import CellExecutionError
 
-    nb = nbformat.read(build.NOTEBOOKS_DIR / "01_skeleton_loop.ipynb", as_version=4)
+    stage = load_stage(source)
+    nb = nbformat.read(build.NOTEBOOKS_DIR / f"{stage.name}.ipynb", as_version=4)
+    if not stage.exercises:
+        build.execute(nb, build.NOTEBOOKS_DIR)
+        return
+    first = stage.exercises[0].id
     with pytest.raises(CellExecutionError) as failure:
         build.execute(nb, build.NOTEBOOKS_DIR)
-    assert "Exercise 1.1 is not implemented yet" in str(failure.value)
+    assert f"Exercise {first} is not implemented yet" in str(failure.value)
     ran = [c for c in nb.cells if c.cell_type == "code" and c.get("execution_count")]
-    assert ran[-1].id == "s01-check-1-1"
+    assert ran[-1].id == f"s{stage.number}-check-{first.replace('.', '-')}"

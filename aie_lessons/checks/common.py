@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 
 
@@ -43,3 +45,21 @@ def expect_shape(exercise: str, name: str, got: torch.Tensor, expected: tuple) -
         fail(exercise, f"{name} should be a tensor, got {type(got).__name__}")
     if tuple(got.shape) != tuple(expected):
         fail(exercise, f"expected {name} of shape {tuple(expected)}, got {tuple(got.shape)}")
+
+
+@contextmanager
+def isolated(fn, **reference_helpers):
+    """Run the learner's ``fn`` with *other* exercises' functions replaced by reference versions.
+
+    ``attention_layer`` (exercise 2.4) calls ``split_heads`` (2.1): without this, one mistake in
+    2.1 would also fail 2.4, and a learner (or a grader) could not tell which exercise is wrong.
+    Only names that ``fn``'s module or notebook actually defines are swapped, and only while the
+    check runs.
+    """
+    namespace = fn.__globals__
+    saved = {name: namespace[name] for name in reference_helpers if name in namespace}
+    namespace.update({name: reference_helpers[name] for name in saved})
+    try:
+        yield
+    finally:
+        namespace.update(saved)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from aie_lessons.checks.common import call, expect_shape, fail, passed
+from aie_lessons.checks.common import call, expect_shape, fail, isolated, passed
 
 
 def _tril(q_len: int, kv_len: int, diagonal: int) -> torch.Tensor:
@@ -63,7 +63,13 @@ def check_left_pad(left_pad) -> None:
 
 def check_attention_mask(attention_mask) -> None:
     is_real = torch.tensor([[True, True, True, True], [False, False, True, True]])
-    got = call("3.3", attention_mask, is_real, 4)
+
+    def reference_causal(q_len, kv_len, device=None):
+        return _tril(q_len, kv_len, kv_len - q_len).to(device)
+
+    with isolated(attention_mask, causal_mask=reference_causal):
+        got = call("3.3", attention_mask, is_real, 4)
+        decode = call("3.3", attention_mask, is_real, 1)
     expect_shape("3.3", "the mask", got, (2, 1, 4, 4))
     causal = _tril(4, 4, 0)
     expected = causal[None] & is_real[:, None, :]
@@ -80,7 +86,6 @@ def check_attention_mask(attention_mask) -> None:
             fail("3.3", "future keys are visible: the mask must also be causal")
         fail("3.3", f"mask of the padded row should be {expected[1, 0].int().tolist()}, "
                     f"got {got[1, 0].int().tolist()}")
-    decode = call("3.3", attention_mask, is_real, 1)
     expect_shape("3.3", "the mask for one new query", decode, (2, 1, 1, 4))
     if not torch.equal(decode[:, 0, 0], is_real):
         fail("3.3", "with one new query (decoding with a cache) it may see every real key: "

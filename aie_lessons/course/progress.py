@@ -1,0 +1,216 @@
+"""A learner's progress: which stages hold their own code, and whether its checks pass.
+
+``aie commit NN`` exports the learner's cells of stage NN into ``aie_lessons`` — only if the
+stage's checks pass on them; ``aie reset NN`` puts the reference back; ``aie status`` shows a table.
+Later notebooks import whatever the package holds, so a learner's attention runs inside the later
+engine. Each notebook's first cell calls :func:`verify_committed_stages`, which says which
+committed stage to reset when one of them breaks.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+
+import nbformat
+
+from aie_lessons.course.build import NOTEBOOKS_DIR, PACKAGE_DIR, module_files, stage_sources
+from aie_lessons.course.source import Stage, checked_exercise, defined_names, export_modules, load_stage
+from aie_lessons.paths import REPO_ROOT
+
+LEARNER_MARK = "# Generated from notebooks/"
+
+
+@dataclass
+class CheckResult:
+    exercise: str
+    passed: bool
+    message: str = ""
+
+
+class ProgressError(RuntimeError):
+    """A commit or reset cannot be done; the message says why and what to do."""
+
+
+def stages() -> list[Stage]:
+    return [load_stage(source) for source in stage_sources()]
+
+
+def find_stage(number: str) -> tuple[Stage, dict[str, str]]:
+    """Stage ``number`` and the names its earlier stages' modules define (for exports)."""
+    earlier: dict[str, str] = {}
+    for stage in stages():
+        if stage.number == number:
+            return stage, earlier
+        for path, text in module_files(stage, earlier).items():
+            earlier.update(dict.fromkeys(defined_names(text), path.stem))
+    raise ProgressError(f"there is no stage {number}: stages are "
+                        f"{', '.join(s.number for s in stages())}")
+
+
+def reference_modules(stage: Stage, earlier: dict[str, str]) -> dict[Path, str]:
+    return module_files(stage, earlier)
+
+
+def is_committed(stage: Stage) -> bool:
+    """True when the stage's modules hold the learner's code rather than the reference."""
+    _, earlier = find_stage(stage.number)
+    return any(
+        path.exists() and path.read_text().startswith(LEARNER_MARK)
+        for path in reference_modules(stage, earlier)
+    )
+
+
+# --- running a stage's checks ------------------------------------------------------------------
+
+
+class _Fixtures(dict):
+    """The objects check cells use besides exported names, created only when asked for."""
+
+    def __missing__(self, key):
+        from aie_lessons.paths import default_model_dir
+
+        if key == "model":
+            from aie_lessons.model import LlamaModel
+
+            self[key] = LlamaModel.from_pretrained(default_model_dir())
+        elif key == "tokenizer":
+            from aie_lessons.tokenizer import Tokenizer
+
+            self[key] = Tokenizer.from_pretrained(default_model_dir())
+        elif key == "config":
+            from aie_lessons.config import ModelConfig
+
+            self[key] = ModelConfig.from_json(default_model_dir())
+        else:
+            raise KeyError(key)
+        return self[key]
+
+
+def run_checks(stage: Stage) -> list[CheckResult]:
+    """Run the stage's check cells against the modules the package holds now (in this process)."""
+    import importlib
+
+    from aie_lessons import checks
+
+    namespace = _Fixtures(checks=checks)
+    _, earlier = find_stage(stage.number)
+    for path in reference_modules(stage, earlier):
+        module = importlib.import_module(f"aie_lessons.{path.stem}")
+        namespace.update({k: v for k, v in vars(module).items() if not k.startswith("_")})
+    results = []
+    for cell in stage.notebook.cells:
+        exercise = checked_exercise(cell)
+        if not exercise:
+            continue
+        try:
+            exec(compile(cell.source, f"<check {exercise}>", "exec"), {}, namespace)
+            results.append(CheckResult(exercise, True))
+        except Exception as exc:  # a failing check is a result to report, not a crash
+            message = str(exc) or traceback.format_exception_only(type(exc), exc)[-1].strip()
+            results.append(CheckResult(exercise, False, f"{type(exc).__name__}: {message}"))
+    return results
+
+
+def run_checks_isolated(number: str) -> list[CheckResult]:
+    """Run a stage's checks in a fresh Python, so that modules just written are the ones imported."""
+    out = subprocess.run(
+        [sys.executable, "-m", "aie_lessons.course.progress", number],
+        capture_output=True, text=True, cwd=REPO_ROOT,
+    )
+    try:
+        return [CheckResult(**r) for r in json.loads(out.stdout.strip().splitlines()[-1])]
+    except (json.JSONDecodeError, IndexError) as exc:
+        detail = (out.stderr.strip().splitlines() or ["no output"])[-1]
+        return [CheckResult("import", False, f"the stage's modules do not import: {detail}")]
+
+
+# --- commit, reset, status ---------------------------------------------------------------------
+
+
+def learner_notebook_path(stage: Stage) -> Path:
+    return NOTEBOOKS_DIR / f"{stage.name}.ipynb"
+
+
+def commit(number: str, notebook: Path | None = None) -> list[CheckResult]:
+    """Export the learner's cells of a stage into the package if its checks pass on them."""
+    stage, earlier = find_stage(number)
+    notebook = notebook or learner_notebook_path(stage)
+    if not notebook.exists():
+        raise ProgressError(f"{notebook} does not exist: open the stage's notebook in "
+                            "JupyterLab, do its exercises and save it first")
+    cells = nbformat.read(notebook, as_version=4).cells
+    try:
+        label = notebook.resolve().relative_to(REPO_ROOT).as_posix()
+    except ValueError:
+        label = notebook.name
+    if not label.startswith("notebooks/"):
+        label = f"notebooks/{notebook.name}"
+    theirs = export_modules(cells, label, number, earlier)
+    expected = reference_modules(stage, earlier)
+    missing = sorted(p.stem for p in expected if p.stem not in theirs)
+    if missing:
+        raise ProgressError(
+            f"{notebook.name} has no `# export: {missing[0]}` cell. Cells that start with "
+            "`# export:` are what gets committed: restore the cell (git shows the original) "
+            "and redo its exercise."
+        )
+    backups = {path: path.read_text() if path.exists() else None for path in expected}
+    for path in expected:
+        path.write_text(theirs[path.stem])
+    results = run_checks_isolated(number)
+    if not all(r.passed for r in results):
+        for path, text in backups.items():
+            if text is None:
+                path.unlink()
+            else:
+                path.write_text(text)
+    return results
+
+
+def reset(number: str) -> None:
+    """Put the reference code of a stage back into the package."""
+    stage, earlier = find_stage(number)
+    for path, text in reference_modules(stage, earlier).items():
+        path.write_text(text)
+
+
+def status_table() -> str:
+    lines = [f"{'stage':<20} {'code in aie_lessons':<20} {'checks':>7}"]
+    for stage in stages():
+        if not stage.exercises:
+            continue
+        owner = "yours (committed)" if is_committed(stage) else "reference"
+        results = run_checks_isolated(stage.number)
+        passed = sum(r.passed for r in results)
+        lines.append(f"{stage.name:<20} {owner:<20} {passed:>3} / {len(results):<3}")
+        for r in results:
+            if not r.passed:
+                lines.append(f"    {r.exercise}: {r.message.splitlines()[0][:110]}")
+    return "\n".join(lines)
+
+
+def verify_committed_stages(before: str) -> None:
+    """First cell of every notebook: fail early, and say which stage to reset, when a stage the
+    learner committed earlier no longer passes its checks."""
+    for stage in stages():
+        if stage.number >= before or not is_committed(stage):
+            continue
+        failed = [r for r in run_checks(stage) if not r.passed]
+        if failed:
+            raise ProgressError(
+                f"stage {stage.number} holds your committed code, and its check for exercise "
+                f"{failed[0].exercise} fails: {failed[0].message}\nFix: run `aie reset "
+                f"{stage.number}` to use the reference code, or fix notebooks/{stage.name}.ipynb "
+                f"and `aie commit {stage.number}`; then restart this notebook's kernel."
+            )
+    print("✓ earlier stages ready")
+
+
+if __name__ == "__main__":  # used by run_checks_isolated
+    found, _ = find_stage(sys.argv[1])
+    print(json.dumps([r.__dict__ for r in run_checks(found)]))

@@ -1,0 +1,122 @@
+"""`aie grade`: reference notebooks grade 100%, untouched ones 0, one mistake fails one exercise."""
+
+from __future__ import annotations
+
+import shutil
+import xml.etree.ElementTree as ET
+
+import nbformat
+import pytest
+
+from aie_lessons.course.build import NOTEBOOKS_DIR, SOLUTIONS_DIR
+from aie_lessons.course.grade import GradeError, format_report, grade, write_junit
+
+pytestmark = pytest.mark.oracle  # grading runs the notebooks on the real model
+
+STAGE = "02_attention"
+
+
+def solution(name: str = STAGE) -> nbformat.NotebookNode:
+    return nbformat.read(SOLUTIONS_DIR / f"{name}.ipynb", as_version=4)
+
+
+def submit(tmp_path, nb: nbformat.NotebookNode, name: str = STAGE):
+    nbformat.write(nb, tmp_path / f"{name}.ipynb")
+    return tmp_path
+
+
+def exercises(result) -> dict[str, bool]:
+    return {e.id: e.passed for e in result.exercises}
+
+
+def test_solution_notebooks_grade_100_percent():
+    results = grade(SOLUTIONS_DIR)
+    assert [r.name for r in results] == sorted(p.stem for p in SOLUTIONS_DIR.glob("[0-9][0-9]_*.ipynb"))
+    for r in results:
+        assert r.passed, format_report([r])
+        assert r.cells_matched == r.cells_total > 0
+
+
+def test_untouched_learner_notebook_grades_zero_with_not_implemented(tmp_path):
+    shutil.copy(NOTEBOOKS_DIR / f"{STAGE}.ipynb", tmp_path)
+    [result] = grade(tmp_path, ["02"])
+    assert not result.passed and result.exercises
+    for exercise in result.exercises:
+        assert not exercise.passed
+        # Exercise 2.4's layer calls 2.1's split_heads, so its message may name 2.1.
+        assert "is not implemented yet" in exercise.message, exercise
+
+
+def test_exactly_one_wrong_exercise_fails_exactly_that_exercise(tmp_path, capsys):
+    nb = solution()
+    cell = next(c for c in nb.cells if c.get("id") == "s02-ex-2-3")
+    assert "q.view(batch, num_kv_heads, heads // num_kv_heads" in cell.source
+    cell.source = cell.source.replace(
+        "return q.view(batch, num_kv_heads, heads // num_kv_heads, seq, head_dim)",
+        "return q.view(batch, heads // num_kv_heads, num_kv_heads, seq, head_dim).transpose(1, 2)",
+    )
+    [result] = grade(submit(tmp_path, nb), ["02"])
+    assert exercises(result) == {"2.1": True, "2.2": True, "2.3": False, "2.4": True}
+    wrong = next(e for e in result.exercises if e.id == "2.3")
+    assert "h % Hkv" in wrong.message
+    assert "exercise 2.3 failed" in format_report([result])
+
+
+def test_reordered_and_extra_cells_still_grade(tmp_path):
+    nb = solution()
+    code = [i for i, c in enumerate(nb.cells) if c.cell_type == "code"]
+    # Move a markdown cell to the end, swap nothing that changes meaning, add scratch cells.
+    nb.cells.append(nb.cells.pop(0))
+    nb.cells.insert(code[3], nbformat.v4.new_code_cell("scratch = 40 + 2\nprint(scratch)"))
+    nb.cells.insert(1, nbformat.v4.new_code_cell("print('my notes')"))
+    [result] = grade(submit(tmp_path, nb), ["02"])
+    assert result.passed, format_report([result])
+
+
+def test_hand_edited_outputs_do_not_fool_the_grader(tmp_path):
+    learner = nbformat.read(NOTEBOOKS_DIR / f"{STAGE}.ipynb", as_version=4)
+    reference = {c.get("id"): c for c in solution().cells}
+    for cell in learner.cells:
+        if cell.cell_type == "code":
+            cell.outputs = reference[cell.get("id")].outputs
+            cell.execution_count = reference[cell.get("id")].execution_count
+    [result] = grade(submit(tmp_path, learner), ["02"])
+    assert not any(e.passed for e in result.exercises)
+
+
+def test_edited_check_cell_does_not_pass_the_exercise(tmp_path):
+    learner = nbformat.read(NOTEBOOKS_DIR / f"{STAGE}.ipynb", as_version=4)
+    for cell in learner.cells:
+        if cell.get("id") == "s02-check-2-1":
+            cell.source = "print('✓ Exercise 2.1 passed: heads split as (B, S, H, D) → (B, H, S, D) and merged back')"
+    [result] = grade(submit(tmp_path, learner), ["02"])
+    assert exercises(result)["2.1"] is False
+
+
+def test_hanging_and_missing_cells_fail_their_exercise_not_the_grader(tmp_path):
+    nb = solution()
+    nb.cells = [c for c in nb.cells if c.get("id") != "s02-ex-2-4"]  # missing
+    for cell in nb.cells:
+        if cell.get("id") == "s02-ex-2-1":  # hangs
+            cell.source = "import time\ntime.sleep(600)\n" + cell.source
+    [result] = grade(submit(tmp_path, nb), ["02"], cell_timeout=10)
+    status = exercises(result)
+    assert status["2.1"] is False and status["2.4"] is False
+    missing = next(e for e in result.exercises if e.id == "2.4")
+    assert "missing from the submission" in missing.message
+
+
+def test_missing_notebook_and_junit(tmp_path):
+    [result] = grade(tmp_path, ["02"])
+    assert not result.passed
+    assert all("not in the submission" in e.message for e in result.exercises)
+    report = tmp_path / "report.xml"
+    write_junit([result], report)
+    suite = ET.parse(report).getroot().find("testsuite")
+    assert suite.get("name") == STAGE and int(suite.get("failures")) > 0
+    assert {c.get("name") for c in suite.findall("testcase")} >= {"exercise 2.1", "exercise 2.4"}
+
+
+def test_unknown_stage_is_a_clear_error(tmp_path):
+    with pytest.raises(GradeError, match="no stage 42"):
+        grade(tmp_path, ["42"])
