@@ -89,7 +89,7 @@ def test_a_broken_committed_stage_is_named_by_later_notebooks(tmp_path, restore_
 
     sys.modules.pop("aie_lessons.attention", None)
     try:
-        with pytest.raises(ProgressError, match=r"stage 02 holds your committed code.*2\.3.*aie reset 02"):
+        with pytest.raises(ProgressError, match=r"(?s)stage 02 holds your committed code.*2\.3.*aie reset 02"):
             verify_committed_stages(before="03")
     finally:
         sys.modules.pop("aie_lessons.attention", None)

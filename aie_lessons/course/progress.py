@@ -9,6 +9,8 @@ committed stage to reset when one of them breaks.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import subprocess
 import sys
@@ -200,7 +202,8 @@ def verify_committed_stages(before: str) -> None:
     for stage in stages():
         if stage.number >= before or not is_committed(stage):
             continue
-        failed = [r for r in run_checks(stage) if not r.passed]
+        with contextlib.redirect_stdout(io.StringIO()):  # only failures are worth showing here
+            failed = [r for r in run_checks(stage) if not r.passed]
         if failed:
             raise ProgressError(
                 f"stage {stage.number} holds your committed code, and its check for exercise "
