@@ -5,7 +5,7 @@ learner's code after ``aie commit``): it recomputes the expected result from the
 formula, and when the answer is wrong it tries the usual wrong answers to say which one it was.
 """
 
-from aie_lessons.checks import stage01, stage02, stage03, stage04
+from aie_lessons.checks import stage01, stage02, stage03, stage04, stage05
 from aie_lessons.checks.common import CheckFailed
 
-__all__ = ["CheckFailed", "stage01", "stage02", "stage03", "stage04"]
+__all__ = ["CheckFailed", "stage01", "stage02", "stage03", "stage04", "stage05"]
