@@ -71,9 +71,12 @@ def inputs_digest(stage: Stage, stages: list[Stage]) -> str:
     """A hash of everything a solution notebook's outputs depend on that the course writes:
     this stage's source, every earlier stage's (their modules are imported) and the checks."""
     digest = hashlib.sha256()
-    sources = [s.source for s in stages if s.number <= stage.number]
-    for path in [*sources, *sorted((PACKAGE_DIR / "checks").glob("*.py"))]:
-        digest.update(path.read_bytes())
+    earlier = [s for s in stages if s.number <= stage.number]
+    checks = PACKAGE_DIR / "checks"
+    check_files = [checks / "common.py"] + [checks / f"stage{s.number}.py" for s in earlier]
+    for path in [*(s.source for s in earlier), *check_files]:
+        if path.exists():
+            digest.update(path.read_bytes())
     return digest.hexdigest()[:16]
 
 
