@@ -130,3 +130,14 @@ def test_reference_implementations_pass(tiny_dir, capsys):
     checks.check_greedy_step(greedy_step)
     checks.check_streaming_detokenizer(StreamingDetokenizer, Tokenizer.from_pretrained(tiny_dir))
     assert capsys.readouterr().out.count("passed") == 4
+
+
+def test_a_stub_wrapped_by_another_error_still_reads_not_implemented():
+    """The Triton interpreter wraps errors raised inside kernels; the stub's message must survive."""
+    from aie_lessons.checks.common import call
+
+    def wrapped(*args):
+        raise RuntimeError("InterpreterError: NotImplementedError('Exercise 5.3 is not implemented yet: replace')")
+
+    with pytest.raises(NotImplementedError, match=r"^Exercise 5.3 is not implemented yet: replace$"):
+        call("5.3", wrapped)
