@@ -45,7 +45,7 @@ def test_untouched_notebook_is_not_committed(restore_package):
 
 
 def test_commit_then_reset(tmp_path, restore_package):
-    stage, _ = find_stage("02")
+    stage, _, _ = find_stage("02")
     results = commit("02", solved_notebook(tmp_path))
     assert results and all(r.passed for r in results)
     assert (build.PACKAGE_DIR / "attention.py").read_text().startswith(LEARNER_MARK)

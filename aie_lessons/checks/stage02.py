@@ -13,12 +13,29 @@ def _generator() -> torch.Generator:
     return torch.Generator().manual_seed(2)
 
 
+def _split_heads(x, num_heads):
+    batch, seq, width = x.shape
+    return x.view(batch, seq, num_heads, width // num_heads).transpose(1, 2)
+
+
+def _merge_heads(x):
+    batch, heads, seq, head_dim = x.shape
+    return x.transpose(1, 2).reshape(batch, seq, heads * head_dim)
+
+
+def _attention(q, k, v, mask=None):
+    seq, kv_len = q.shape[-2], k.shape[-2]
+    if mask is None:
+        mask = torch.ones(seq, kv_len, dtype=torch.bool).tril(kv_len - seq)
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+
+
 def check_split_heads(split_heads, merge_heads) -> None:
     batch, seq, heads, head_dim = 2, 5, 3, 4
     x = torch.arange(batch * seq * heads * head_dim, dtype=torch.float32).view(batch, seq, heads * head_dim)
     got = call("2.1", split_heads, x, heads)
     expect_shape("2.1", "split_heads(x)", got, (batch, heads, seq, head_dim))
-    expected = x.view(batch, seq, heads, head_dim).transpose(1, 2)
+    expected = _split_heads(x, heads)
     if not torch.equal(got, expected):
         if torch.equal(got, x.view(batch, heads, seq, head_dim)):
             fail("2.1", "you viewed (B, S, H·D) as (B, H, S, D) directly, which mixes positions "
@@ -91,23 +108,6 @@ def check_group_queries(group_queries) -> None:
     passed("2.3", "query heads j·G … j·G + G − 1 share kv head j, as a view of q")
 
 
-def _split_heads(x, num_heads):
-    batch, seq, width = x.shape
-    return x.view(batch, seq, num_heads, width // num_heads).transpose(1, 2)
-
-
-def _merge_heads(x):
-    batch, heads, seq, head_dim = x.shape
-    return x.transpose(1, 2).reshape(batch, seq, heads * head_dim)
-
-
-def _attention(q, k, v, mask=None):
-    seq, kv_len = q.shape[-2], k.shape[-2]
-    if mask is None:
-        mask = torch.ones(seq, kv_len, dtype=torch.bool).tril(kv_len - seq)
-    return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
-
-
 def check_attention_layer(attention_layer, model) -> None:
     from aie_lessons.model import apply_rope, rope_cos_sin
 
@@ -131,14 +131,12 @@ def check_attention_layer(attention_layer, model) -> None:
         passed("2.4", "the hand-written layer matches the model's attention (RoPE on q and k only)")
         return
     with torch.no_grad():
-        d, hq, hkv = config.head_dim, config.num_heads, config.num_kv_heads
-        q = attn.q_proj(x).view(2, 5, hq, d).transpose(1, 2)
-        k = attn.k_proj(x).view(2, 5, hkv, d).transpose(1, 2)
-        v = attn.v_proj(x).view(2, 5, hkv, d).transpose(1, 2)
+        q = _split_heads(attn.q_proj(x), config.num_heads)
+        k = _split_heads(attn.k_proj(x), config.num_kv_heads)
+        v = _split_heads(attn.v_proj(x), config.num_kv_heads)
 
         def layer(q, k, v):
-            out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-            return attn.o_proj(out.transpose(1, 2).reshape(2, 5, hq * d))
+            return attn.o_proj(_merge_heads(_attention(q, k, v)))
 
         rope = lambda t: apply_rope(t, cos, sin)  # noqa: E731
         mistakes = {

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import nbformat
@@ -67,6 +68,20 @@ def execute(nb: nbformat.NotebookNode, cwd: Path) -> nbformat.NotebookNode:
     return nb
 
 
+def staged_modules(stages: list[Stage]) -> Iterator[tuple[Stage, dict[Path, str], dict[str, str]]]:
+    """Each stage, in order, with its module files and the names earlier stages export.
+
+    Later stages' exported cells use earlier stages' names, so a stage's modules can only be
+    generated once the stages before it are known.
+    """
+    earlier: dict[str, str] = {}
+    for stage in stages:
+        files = module_files(stage, dict(earlier))
+        yield stage, files, dict(earlier)
+        for path, text in files.items():
+            earlier.update(dict.fromkeys(defined_names(text), path.stem))
+
+
 def inputs_digest(stage: Stage, stages: list[Stage]) -> str:
     """A hash of everything a solution notebook's outputs depend on that the course writes:
     this stage's source, every earlier stage's (their modules are imported) and the checks."""
@@ -107,12 +122,9 @@ def build(stages: list[str] | None = None, check: bool = False, run: bool = True
 
     loaded = [load_stage(source) for source in stage_sources()]
     selected = [s for s in loaded if not stages or s.number in stages]
-    earlier: dict[str, str] = {}
-    for stage in loaded:  # every stage, in order: later stages import earlier stages' names
-        files = module_files(stage, earlier)
-        for path, text in files.items():
-            earlier.update(dict.fromkeys(defined_names(text), path.stem))
-            if stage in selected:
+    for stage, files, _ in staged_modules(loaded):
+        if stage in selected:
+            for path, text in files.items():
                 sync(path, text)
     for stage in selected:
         sync(NOTEBOOKS_DIR / f"{stage.name}.ipynb", notebook_text(learner_notebook(stage)))

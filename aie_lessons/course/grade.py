@@ -60,14 +60,14 @@ class StageResult:
 
 
 def _summary(message: str) -> str:
-    """The first lines worth reading of an nbval report: the error, or the output difference."""
+    """The first lines worth reading of an nbval report: the output difference, or the error."""
     lines = [line.rstrip() for line in message.splitlines() if line.strip()]
-    errors = [i for i, line in enumerate(lines) if re.search(r"(Error|Exception|Failed|Exercise \d)", line)]
+    for marker in (" mismatch '", "dissimilar number of outputs"):  # nbval's output comparison
+        hit = next((i for i, line in enumerate(lines) if marker in line), None)
+        if hit is not None:
+            return "\n".join(lines[hit:hit + MESSAGE_LINES])
+    errors = [i for i, line in enumerate(lines) if re.search(r"(Error|Exception|Exercise \d)", line)]
     start = errors[-1] if errors else 0
-    for marker in ("Expected:", "expected:", "Notebook cell execution failed"):
-        hits = [i for i, line in enumerate(lines) if marker in line]
-        if hits and not errors:
-            start = hits[0]
     return "\n".join(lines[start:start + MESSAGE_LINES])
 
 

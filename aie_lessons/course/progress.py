@@ -20,8 +20,8 @@ from pathlib import Path
 
 import nbformat
 
-from aie_lessons.course.build import NOTEBOOKS_DIR, PACKAGE_DIR, module_files, stage_sources
-from aie_lessons.course.source import Stage, checked_exercise, defined_names, export_modules, load_stage
+from aie_lessons.course.build import NOTEBOOKS_DIR, staged_modules, stage_sources
+from aie_lessons.course.source import Stage, checked_exercise, export_modules, load_stage
 from aie_lessons.paths import REPO_ROOT
 
 LEARNER_MARK = "# Generated from notebooks/"
@@ -42,29 +42,19 @@ def stages() -> list[Stage]:
     return [load_stage(source) for source in stage_sources()]
 
 
-def find_stage(number: str) -> tuple[Stage, dict[str, str]]:
-    """Stage ``number`` and the names its earlier stages' modules define (for exports)."""
-    earlier: dict[str, str] = {}
-    for stage in stages():
+def find_stage(number: str) -> tuple[Stage, dict[Path, str], dict[str, str]]:
+    """Stage ``number``, its reference module files, and the names earlier stages export."""
+    for stage, files, earlier in staged_modules(stages()):
         if stage.number == number:
-            return stage, earlier
-        for path, text in module_files(stage, earlier).items():
-            earlier.update(dict.fromkeys(defined_names(text), path.stem))
+            return stage, files, earlier
     raise ProgressError(f"there is no stage {number}: stages are "
                         f"{', '.join(s.number for s in stages())}")
 
 
-def reference_modules(stage: Stage, earlier: dict[str, str]) -> dict[Path, str]:
-    return module_files(stage, earlier)
-
-
 def is_committed(stage: Stage) -> bool:
     """True when the stage's modules hold the learner's code rather than the reference."""
-    _, earlier = find_stage(stage.number)
-    return any(
-        path.exists() and path.read_text().startswith(LEARNER_MARK)
-        for path in reference_modules(stage, earlier)
-    )
+    _, files, _ = find_stage(stage.number)
+    return any(path.exists() and path.read_text().startswith(LEARNER_MARK) for path in files)
 
 
 # --- running a stage's checks ------------------------------------------------------------------
@@ -100,8 +90,8 @@ def run_checks(stage: Stage) -> list[CheckResult]:
     from aie_lessons import checks
 
     namespace = _Fixtures(checks=checks)
-    _, earlier = find_stage(stage.number)
-    for path in reference_modules(stage, earlier):
+    _, files, _ = find_stage(stage.number)
+    for path in files:
         module = importlib.import_module(f"aie_lessons.{path.stem}")
         namespace.update({k: v for k, v in vars(module).items() if not k.startswith("_")})
     results = []
@@ -140,7 +130,7 @@ def learner_notebook_path(stage: Stage) -> Path:
 
 def commit(number: str, notebook: Path | None = None) -> list[CheckResult]:
     """Export the learner's cells of a stage into the package if its checks pass on them."""
-    stage, earlier = find_stage(number)
+    stage, expected, earlier = find_stage(number)
     notebook = notebook or learner_notebook_path(stage)
     if not notebook.exists():
         raise ProgressError(f"{notebook} does not exist: open the stage's notebook in "
@@ -153,7 +143,6 @@ def commit(number: str, notebook: Path | None = None) -> list[CheckResult]:
     if not label.startswith("notebooks/"):
         label = f"notebooks/{notebook.name}"
     theirs = export_modules(cells, label, number, earlier)
-    expected = reference_modules(stage, earlier)
     missing = sorted(p.stem for p in expected if p.stem not in theirs)
     if missing:
         raise ProgressError(
@@ -176,8 +165,8 @@ def commit(number: str, notebook: Path | None = None) -> list[CheckResult]:
 
 def reset(number: str) -> None:
     """Put the reference code of a stage back into the package."""
-    stage, earlier = find_stage(number)
-    for path, text in reference_modules(stage, earlier).items():
+    _, files, _ = find_stage(number)
+    for path, text in files.items():
         path.write_text(text)
 
 
@@ -215,5 +204,5 @@ def verify_committed_stages(before: str) -> None:
 
 
 if __name__ == "__main__":  # used by run_checks_isolated
-    found, _ = find_stage(sys.argv[1])
+    found, _, _ = find_stage(sys.argv[1])
     print(json.dumps([r.__dict__ for r in run_checks(found)]))
