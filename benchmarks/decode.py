@@ -1,10 +1,12 @@
 """Batch-1 greedy decode speed: our engine (fp32, bf16) vs transformers vs the memory roofline.
 
-Everything is measured in one process, interleaved round by round, because this machine's memory
-bandwidth changes from run to run: only ratios measured side by side mean anything. Decoding one
-token reads every weight once, so the roofline is bandwidth / bytes of weights per token.
+"Ours" is stage 04's ``FastDecoder`` (fused weights, compiled step); stage 04's plain
+``generate_cached`` is shown too, for the size of the step. Everything is measured in one
+process, interleaved round by round, because this machine's memory bandwidth changes from run
+to run: only ratios measured side by side mean anything. Decoding one token reads every weight
+once, so the roofline is bandwidth / bytes of weights per token.
 
-    .venv/bin/python benchmarks/decode.py [--tokens 128] [--rounds 3] [--compile]
+    .venv/bin/python benchmarks/decode.py [--tokens 128] [--rounds 3]
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import warnings
 import torch
 
 from aie_lessons.cached_generate import generate_cached
+from aie_lessons.fast_decode import FastDecoder
 from aie_lessons.generate import SamplingParams
 from aie_lessons.model import LlamaModel
 from aie_lessons.paths import default_model_dir
@@ -48,9 +51,9 @@ def weight_bytes(model: torch.nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
-def ours(model, tokenizer, prompt_ids, tokens: int) -> float:
-    params = SamplingParams(max_new_tokens=tokens, ignore_eos=True)
-    result = generate_cached(model, tokenizer, [prompt_ids], params)[0]
+def decode_speed(generate, tokens: int) -> float:
+    """Decode tokens/s of one request; ``generate(params)`` returns its GenerationResult."""
+    result = generate(SamplingParams(max_new_tokens=tokens, ignore_eos=True))
     assert len(result.token_ids) == tokens
     decode = result.step_seconds[1:]  # [0] is the prefill
     return len(decode) / sum(decode)
@@ -75,8 +78,6 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--compile", action="store_true",
-                        help="also time our fp32 model under torch.compile (minutes of compiling)")
     args = parser.parse_args()
     import transformers
 
@@ -87,23 +88,28 @@ def main() -> None:
     fp32 = LlamaModel.from_pretrained(model_dir, dtype=torch.float32)
     bf16 = LlamaModel.from_pretrained(model_dir, dtype=torch.bfloat16)
     hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    fast_fp32, fast_bf16 = FastDecoder(fp32), FastDecoder(bf16)
     systems = {
-        "ours fp32": lambda: ours(fp32, tokenizer, prompt_ids, args.tokens),
-        "ours bf16": lambda: ours(bf16, tokenizer, prompt_ids, args.tokens),
-        "transformers fp32": lambda: transformers_speed(hf, prompt_ids, args.tokens, tokenizer.eos_token_id),
+        "ours fp32": lambda p: fast_fp32.generate(tokenizer, prompt_ids, p),
+        "ours bf16": lambda p: fast_bf16.generate(tokenizer, prompt_ids, p),
+        "generate_cached fp32": lambda p: generate_cached(fp32, tokenizer, [prompt_ids], p)[0],
     }
-    if args.compile:
-        compiled = LlamaModel.from_pretrained(model_dir, dtype=torch.float32)
-        compiled.forward = torch.compile(compiled.forward, mode="max-autotune")
-        systems["ours fp32 compiled"] = lambda: ours(compiled, tokenizer, prompt_ids, args.tokens)
-        print("compiling (first round includes it; it is not counted) ...", flush=True)
-        systems["ours fp32 compiled"]()
+    print("compiling the fast decoders (not timed) ...", flush=True)
+    start = time.perf_counter()
+    warm = {name: run(SamplingParams(max_new_tokens=16, ignore_eos=True)).token_ids
+            for name, run in systems.items()}
+    print(f"compiled in {time.perf_counter() - start:.0f} s", flush=True)
+    if warm["ours fp32"] != warm["generate_cached fp32"]:
+        raise SystemExit("the fast fp32 decoder's tokens differ from generate_cached's: "
+                         "a speed measured on wrong output means nothing; run the tests")
+    timed = {name: (lambda run=run: decode_speed(run, args.tokens)) for name, run in systems.items()}
+    timed["transformers fp32"] = lambda: transformers_speed(hf, prompt_ids, args.tokens, tokenizer.eos_token_id)
 
-    speeds: dict[str, list[float]] = {name: [] for name in systems}
+    speeds: dict[str, list[float]] = {name: [] for name in timed}
     bandwidths: list[float] = []
     for round_ in range(args.rounds):
         bandwidths.append(copy_bandwidth())
-        for name, run in systems.items():
+        for name, run in timed.items():
             speeds[name].append(run())
         print(f"round {round_ + 1}: bandwidth {bandwidths[-1] / 1e9:.1f} GB/s, "
               + ", ".join(f"{n} {s[-1]:.1f} tok/s" for n, s in speeds.items()), flush=True)
@@ -122,10 +128,8 @@ def main() -> None:
         "ours fp32 / transformers fp32": median["ours fp32"] / median["transformers fp32"],
         "ours fp32 / fp32 roofline": median["ours fp32"] / roofline["fp32"],
         "ours bf16 / ours fp32": median["ours bf16"] / median["ours fp32"],
+        "ours fp32 / generate_cached fp32": median["ours fp32"] / median["generate_cached fp32"],
     }
-    if args.compile:
-        ratios["ours fp32 compiled / transformers fp32"] = median["ours fp32 compiled"] / median["transformers fp32"]
-        ratios["ours fp32 compiled / fp32 roofline"] = median["ours fp32 compiled"] / roofline["fp32"]
     print(f"\n{'ratio':<40} {'measured':>9} {'target':>7}")
     for name, value in ratios.items():
         target = TARGETS.get(name)
