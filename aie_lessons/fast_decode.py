@@ -14,21 +14,22 @@ from torch import nn
 
 from aie_lessons.generate import GenerationResult, SamplingParams, SequenceOutput, check_prompt, eos_token_ids, greedy_step
 from aie_lessons.kv_cache import KVCache
-from aie_lessons.model import LlamaModel, apply_rope, rms_norm, rope_cos_sin, sdpa_attention
+from aie_lessons.model import LlamaModel, apply_rope, rms_norm, rope_cos_sin
 from aie_lessons.tokenizer import Tokenizer
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x (K,) fp32 times weight (N, K) transposed -> (N,) fp32: a decode step's only matmul.
 
-    Run eagerly this is ``F.linear``, a BLAS call. Under ``torch.compile`` it is spelled as an
-    elementwise product and a row sum, which inductor compiles into one vectorised,
-    multi-threaded loop that reads each weight once — converting bf16 weights to fp32 on
-    the fly — and fuses whatever elementwise work produced ``x`` into the same loop.
+    Under ``torch.compile`` it is spelled as an elementwise product and a row sum, which
+    inductor compiles into one vectorised, multi-threaded loop that reads each weight once —
+    converting bf16 weights to fp32 on the fly — and fuses whatever elementwise work produced
+    ``x`` into the same loop. Run eagerly it is ``F.linear``, a BLAS call, doing the same
+    arithmetic (a bf16 weight is first copied to fp32: slow, but this path is for comparison).
     """
     if torch.compiler.is_compiling():
         return (weight.float() * x).sum(-1)
-    return F.linear(x.to(weight.dtype), weight).float()
+    return F.linear(x, weight.float())
 
 
 @dataclass
@@ -70,8 +71,25 @@ def fuse_layer_weights(layer: nn.Module) -> LayerWeights:
     )
 
 
+def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """One query per head against T cached positions: q (Hq, D), keys/values (Hkv, T, D) -> (Hq, D).
+
+    Written with broadcasts and sums, like ``gemv``, so that inside the compiled step it
+    becomes two more generated loops rather than a call into a separate attention kernel
+    whose fixed cost dwarfs the work at a single query. The Hq / Hkv query heads that share
+    a key/value head are grouped next to it (grouped-query attention, as in stage 02).
+    """
+    num_kv_heads, _, head_dim = keys.shape
+    q = q.view(num_kv_heads, -1, 1, head_dim)  # (Hkv, group, 1, D)
+    scores = (q * keys[:, None].float()).sum(-1) * head_dim**-0.5  # (Hkv, group, T)
+    probs = scores.softmax(dim=-1)
+    out = (probs[..., None] * values[:, None].float()).sum(-2)  # (Hkv, group, D)
+    return out.reshape(-1, head_dim)
+
+
 def decode_layer(
     x: torch.Tensor,
+    t: int,
     cos: torch.Tensor,
     sin: torch.Tensor,
     keys: torch.Tensor,
@@ -84,21 +102,23 @@ def decode_layer(
     input_norm: torch.Tensor,
     post_norm: torch.Tensor,
 ) -> torch.Tensor:
-    """One decoder layer for one new token at position t = keys.shape[1] − 1.
+    """One decoder layer for one new token at position ``t``.
 
-    x (hidden,) fp32; cos/sin (D,) for position t; keys/values (Hkv, t + 1, D) are views of
-    this layer's cache: the new token's key and value are written into their last row, in
-    place. Sizes come from the tensors' shapes, so one compiled function serves every layer.
+    x (hidden,) fp32; cos/sin (max_len, D) RoPE tables; keys/values (Hkv, max_len, D) this
+    layer's cache, whose row ``t`` is written here, in place. Everything is looked up *inside*
+    the function with ``narrow``, so after its first two calls ``torch.compile`` treats ``t``
+    as a symbol and never recompiles; sizes come from the tensors' shapes, so one compiled
+    function serves every layer.
     """
-    head_dim, q_size = cos.shape[0], o.shape[1]
+    head_dim, q_size = cos.shape[-1], o.shape[1]
     kv_size = (qkv.shape[0] - q_size) // 2
     q, k, v = gemv(rms_norm(x, input_norm, eps), qkv).split([q_size, kv_size, kv_size])
-    cos, sin = cos.view(1, 1, head_dim), sin.view(1, 1, head_dim)
+    cos, sin = cos.narrow(0, t, 1).view(1, 1, head_dim), sin.narrow(0, t, 1).view(1, 1, head_dim)
     q = apply_rope(q.view(1, -1, 1, head_dim), cos, sin)  # (1, Hq, 1, D)
     k = apply_rope(k.view(1, -1, 1, head_dim), cos, sin)
-    keys[:, -1] = k.view(-1, head_dim)
-    values[:, -1] = v.view(-1, head_dim)
-    attended = sdpa_attention(q, keys[None].float(), values[None].float())  # (1, Hq, 1, D)
+    keys.narrow(1, t, 1).copy_(k.view(-1, 1, head_dim))
+    values.narrow(1, t, 1).copy_(v.view(-1, 1, head_dim))
+    attended = decode_attention(q, keys.narrow(1, 0, t + 1), values.narrow(1, 0, t + 1))
     x = x + gemv(attended.reshape(q_size), o)
     gate, up = gemv(rms_norm(x, post_norm, eps), gate_up).chunk(2)
     return x + gemv(F.silu(gate) * up, down)
@@ -129,12 +149,15 @@ class FastDecoder:
         self.decode_head = torch.compile(decode_head) if compile else decode_head
 
     def step(self, token: int, cache: KVCache, cos: torch.Tensor, sin: torch.Tensor) -> int:
-        """Append ``token`` at position ``cache.length``; return the next token's id."""
+        """Append ``token`` at position ``cache.length``; return the next token's id.
+
+        ``cos``/``sin`` are the (max_len, D) RoPE tables of the request.
+        """
         t = cache.length
         x = self.embed[token].float()
         for i, weights in enumerate(self.layers):
-            x = self.decode_layer(x, cos[t], sin[t], cache.keys[i, 0, :, : t + 1],
-                                  cache.values[i, 0, :, : t + 1], self.eps, *weights.tensors())
+            x = self.decode_layer(x, t, cos, sin, cache.keys[i, 0], cache.values[i, 0], self.eps,
+                                  *weights.tensors())
         cache.advance(1)
         return int(self.decode_head(x, self.final_norm, self.eps, self.head))
 

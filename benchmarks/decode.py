@@ -96,7 +96,7 @@ def main() -> None:
     }
     print("compiling the fast decoders (not timed) ...", flush=True)
     start = time.perf_counter()
-    warm = {name: run(SamplingParams(max_new_tokens=16, ignore_eos=True)).token_ids
+    warm = {name: run(SamplingParams(max_new_tokens=args.tokens, ignore_eos=True)).token_ids
             for name, run in systems.items()}
     print(f"compiled in {time.perf_counter() - start:.0f} s", flush=True)
     if warm["ours fp32"] != warm["generate_cached fp32"]:

@@ -369,23 +369,24 @@ print(f"{sum(e.count for e in events)} operator calls in one step; "
 print(events.table(sort_by="self_cpu_time_total", row_limit=8))
 
 # %% [markdown]
-# On the course machine about four fifths of the step is `aten::mm`: 211 matrix–vector
+# On the course machine nearly nine tenths of the step is `aten::mm`: 211 matrix–vector
 # products (7 per layer, plus the output head), each a BLAS call that streams its weight
-# matrix at roughly a third of the bandwidth the memory can deliver. The rest is some
-# 2,000 small operator calls (norms, RoPE, reshapes, the cache write), each a few
-# microseconds of dispatch for almost no arithmetic. Three changes attack both:
+# matrix at about 11 GB/s — a third of what the memory delivers. The rest is some 6,500 small
+# operator calls (norms, RoPE, views, the cache write), a microsecond or a few each for
+# almost no arithmetic. Three changes attack both:
 #
 # 1. **Fuse the weights** that read the same input: q, k and v become one (960 × 576) matrix,
 #    gate and up one (3072 × 576). Fewer, larger passes over memory. The model's own
 #    projections become views of the stacked matrices, so no weight is stored twice.
-# 2. **Write the matrix–vector product as what it is**, `(W * x).sum(-1)`, and let
-#    `torch.compile` turn each layer into a few loops of generated C++: every weight streamed
-#    once, vectorised, on every core, with the RMSNorm, RoPE, cache write and residual adds
-#    fused into those loops instead of dispatched one by one.
+# 2. **Write the matrix–vector product as what it is**, `(W * x).sum(-1)` — and attention
+#    for one query the same way — and let `torch.compile` turn each layer into a handful of
+#    loops of generated C++: every weight streamed once, vectorised, on every core, with the
+#    RMSNorm, RoPE, cache write and residual adds fused into those loops instead of
+#    dispatched one by one.
 # 3. **Keep the activations in fp32.** A token's activations are a few kilobytes; the weights
 #    are hundreds of megabytes. With bf16 weights, only the weights need to be bf16 to halve
 #    the bytes; fp32 activations spare the inner loop conversions and roundings (llama.cpp
-#    does the same), and make bf16 decoding slightly *more* accurate than the plain bf16 model.
+#    does the same), and keep bf16 decoding closer to fp32 than the plain bf16 model.
 #
 # Plus the usual hygiene: RoPE angles from a table computed once per request, the cache
 # written in place, and the step returns the next token's id, not 49,152 logits.
@@ -411,14 +412,15 @@ from torch import nn
 def gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x (K,) fp32 times weight (N, K) transposed -> (N,) fp32: a decode step's only matmul.
 
-    Run eagerly this is ``F.linear``, a BLAS call. Under ``torch.compile`` it is spelled as an
-    elementwise product and a row sum, which inductor compiles into one vectorised,
-    multi-threaded loop that reads each weight once — converting bf16 weights to fp32 on
-    the fly — and fuses whatever elementwise work produced ``x`` into the same loop.
+    Under ``torch.compile`` it is spelled as an elementwise product and a row sum, which
+    inductor compiles into one vectorised, multi-threaded loop that reads each weight once —
+    converting bf16 weights to fp32 on the fly — and fuses whatever elementwise work produced
+    ``x`` into the same loop. Run eagerly it is ``F.linear``, a BLAS call, doing the same
+    arithmetic (a bf16 weight is first copied to fp32: slow, but this path is for comparison).
     """
     if torch.compiler.is_compiling():
         return (weight.float() * x).sum(-1)
-    return F.linear(x.to(weight.dtype), weight).float()
+    return F.linear(x, weight.float())
 
 
 @dataclass
@@ -460,8 +462,25 @@ def fuse_layer_weights(layer: nn.Module) -> LayerWeights:
     )
 
 
+def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """One query per head against T cached positions: q (Hq, D), keys/values (Hkv, T, D) -> (Hq, D).
+
+    Written with broadcasts and sums, like ``gemv``, so that inside the compiled step it
+    becomes two more generated loops rather than a call into a separate attention kernel
+    whose fixed cost dwarfs the work at a single query. The Hq / Hkv query heads that share
+    a key/value head are grouped next to it (grouped-query attention, as in stage 02).
+    """
+    num_kv_heads, _, head_dim = keys.shape
+    q = q.view(num_kv_heads, -1, 1, head_dim)  # (Hkv, group, 1, D)
+    scores = (q * keys[:, None].float()).sum(-1) * head_dim**-0.5  # (Hkv, group, T)
+    probs = scores.softmax(dim=-1)
+    out = (probs[..., None] * values[:, None].float()).sum(-2)  # (Hkv, group, D)
+    return out.reshape(-1, head_dim)
+
+
 def decode_layer(
     x: torch.Tensor,
+    t: int,
     cos: torch.Tensor,
     sin: torch.Tensor,
     keys: torch.Tensor,
@@ -474,21 +493,23 @@ def decode_layer(
     input_norm: torch.Tensor,
     post_norm: torch.Tensor,
 ) -> torch.Tensor:
-    """One decoder layer for one new token at position t = keys.shape[1] − 1.
+    """One decoder layer for one new token at position ``t``.
 
-    x (hidden,) fp32; cos/sin (D,) for position t; keys/values (Hkv, t + 1, D) are views of
-    this layer's cache: the new token's key and value are written into their last row, in
-    place. Sizes come from the tensors' shapes, so one compiled function serves every layer.
+    x (hidden,) fp32; cos/sin (max_len, D) RoPE tables; keys/values (Hkv, max_len, D) this
+    layer's cache, whose row ``t`` is written here, in place. Everything is looked up *inside*
+    the function with ``narrow``, so after its first two calls ``torch.compile`` treats ``t``
+    as a symbol and never recompiles; sizes come from the tensors' shapes, so one compiled
+    function serves every layer.
     """
-    head_dim, q_size = cos.shape[0], o.shape[1]
+    head_dim, q_size = cos.shape[-1], o.shape[1]
     kv_size = (qkv.shape[0] - q_size) // 2
     q, k, v = gemv(rms_norm(x, input_norm, eps), qkv).split([q_size, kv_size, kv_size])
-    cos, sin = cos.view(1, 1, head_dim), sin.view(1, 1, head_dim)
+    cos, sin = cos.narrow(0, t, 1).view(1, 1, head_dim), sin.narrow(0, t, 1).view(1, 1, head_dim)
     q = apply_rope(q.view(1, -1, 1, head_dim), cos, sin)  # (1, Hq, 1, D)
     k = apply_rope(k.view(1, -1, 1, head_dim), cos, sin)
-    keys[:, -1] = k.view(-1, head_dim)
-    values[:, -1] = v.view(-1, head_dim)
-    attended = sdpa_attention(q, keys[None].float(), values[None].float())  # (1, Hq, 1, D)
+    keys.narrow(1, t, 1).copy_(k.view(-1, 1, head_dim))
+    values.narrow(1, t, 1).copy_(v.view(-1, 1, head_dim))
+    attended = decode_attention(q, keys.narrow(1, 0, t + 1), values.narrow(1, 0, t + 1))
     x = x + gemv(attended.reshape(q_size), o)
     gate, up = gemv(rms_norm(x, post_norm, eps), gate_up).chunk(2)
     return x + gemv(F.silu(gate) * up, down)
@@ -519,12 +540,15 @@ class FastDecoder:
         self.decode_head = torch.compile(decode_head) if compile else decode_head
 
     def step(self, token: int, cache: KVCache, cos: torch.Tensor, sin: torch.Tensor) -> int:
-        """Append ``token`` at position ``cache.length``; return the next token's id."""
+        """Append ``token`` at position ``cache.length``; return the next token's id.
+
+        ``cos``/``sin`` are the (max_len, D) RoPE tables of the request.
+        """
         t = cache.length
         x = self.embed[token].float()
         for i, weights in enumerate(self.layers):
-            x = self.decode_layer(x, cos[t], sin[t], cache.keys[i, 0, :, : t + 1],
-                                  cache.values[i, 0, :, : t + 1], self.eps, *weights.tensors())
+            x = self.decode_layer(x, t, cos, sin, cache.keys[i, 0], cache.values[i, 0], self.eps,
+                                  *weights.tensors())
         cache.advance(1)
         return int(self.decode_head(x, self.final_norm, self.eps, self.head))
 
@@ -583,12 +607,21 @@ for name, result in speed.items():
     print(f"{name:<28} {result.timings['decode_tokens_per_s']:6.1f} tokens/s")
 
 # %% [markdown]
+# Run eagerly, the fused step is no faster than `generate_cached`: fusing three matrices
+# into one barely changes the bytes, and the BLAS call still streams them slowly. The gain is
+# the compiler's, about 2.5–3× on the course machine — and it needed the step *written for*
+# it: one token, fixed shapes but for the position, products spelled as loops it can fuse.
+#
 # `benchmarks/decode.py` runs the full comparison: this decoder in fp32 and bf16 against
 # `transformers` on the same weights and against the roofline from a bandwidth probe, three
 # rounds interleaved in one process (ratios measured side by side are the only honest numbers
-# on a shared machine). Expect roughly 3× `transformers` in fp32, and bf16 faster again —
-# but not 2× faster: converting bf16 to fp32 in the inner loop costs instructions, and with
-# two cores the loop is then partly compute-bound.
+# on a shared machine). On the course machine the compiled loops stream the weights at 27–29
+# GB/s, about the probe's 30; what keeps fp32 near two thirds of the roofline is the cost
+# between and around them: 31 compiled calls per token from Python, two threads meeting at
+# the end of every loop, the attention over the cache. (Compiling the whole step as one graph
+# instead took over two minutes here and ran slower.) bf16 reads half the bytes and runs
+# about 1.7× faster, not 2×: converting bf16 to fp32 in the inner loop costs instructions,
+# and two cores are then partly compute-bound.
 #
 # ## Summary
 #
