@@ -39,8 +39,14 @@ def _generate(args: argparse.Namespace) -> int:
         sys.stdout.write(text)
         sys.stdout.flush()
 
+    if args.no_cache and args.compile:
+        raise SystemExit("aie generate: --no-cache and --compile exclude each other: pick one loop")
     if args.no_cache:  # stage 01's skeleton loop: recomputes the whole sequence every step
         result = generate(model, tokenizer, prompt_ids, params, on_text=None if args.json else stream)
+    elif args.compile:  # stage 04's fused, compiled decode step
+        from aie_lessons.fast_decode import FastDecoder
+
+        result = FastDecoder(model).generate(tokenizer, prompt_ids, params, on_text=None if args.json else stream)
     else:
         on_text = None if args.json else (lambda _index, text: stream(text))
         result = generate_cached(model, tokenizer, [prompt_ids], params, on_text=on_text)[0]
@@ -123,6 +129,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--json", action="store_true", help="print one JSON object at the end")
     gen.add_argument("--no-cache", action="store_true",
                      help="use stage 01's loop without a KV cache (slow: for comparison)")
+    gen.add_argument("--compile", action="store_true",
+                     help="decode with stage 04's compiled FastDecoder (compiles first: seconds)")
     gen.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     gen.add_argument("--device", default="cpu", help="cpu or cuda")
     gen.add_argument("--model", metavar="DIR", help="checkpoint folder (default: the fetched model)")

@@ -50,7 +50,7 @@ from aie_lessons.generate import (
     greedy_step,
 )
 from aie_lessons.masks import attention_mask
-from aie_lessons.model import LlamaModel
+from aie_lessons.model import LlamaModel, apply_rope, rms_norm, rope_cos_sin
 from aie_lessons.padded_batch import generate_batch, left_pad
 from aie_lessons.paths import default_model_dir
 from aie_lessons.tokenizer import Tokenizer

@@ -57,8 +57,14 @@ def test_chat_answer_about_france(real_model_dir):
     assert "Paris" in out.stdout
 
 
-def test_cached_and_uncached_generation_agree(tiny_dir):
+def test_cached_uncached_and_compiled_generation_agree(tiny_dir):
     args = ("generate", "The quick", "--model", str(tiny_dir), "--max-new-tokens", "10", "--json")
     cached = json.loads(run(*args).stdout)
-    plain = json.loads(run(*args, "--no-cache").stdout)
-    assert cached["token_ids"] == plain["token_ids"] and cached["text"] == plain["text"]
+    for other in ("--no-cache", "--compile"):
+        result = json.loads(run(*args, other).stdout)
+        assert (result["token_ids"], result["text"]) == (cached["token_ids"], cached["text"]), other
+
+
+def test_no_cache_and_compile_are_refused_together(tiny_dir):
+    out = run("generate", "x", "--model", str(tiny_dir), "--no-cache", "--compile")
+    assert out.returncode != 0 and "exclude each other" in out.stderr
