@@ -182,9 +182,10 @@ class FastDecoder:
         start = time.perf_counter()
         logits = model(torch.tensor([prompt_ids], device=device), cache=cache, last_position_only=True)
         token = int(greedy_step(logits)[0])
-        while True:
+        while not output.finished:  # finished before the first token if max_new_tokens == 0
             output.result.step_seconds.append(time.perf_counter() - start)
             if output.push(token):
-                return output.result
+                break
             start = time.perf_counter()
             token = self.step(token, cache, cos, sin)
+        return output.result

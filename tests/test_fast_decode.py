@@ -79,6 +79,12 @@ def test_stops_and_streams_like_generate_cached(tiny):
     assert "".join(streamed) == result.text == reference.text
 
 
+def test_zero_new_tokens_gives_none(tiny):
+    model, tokenizer = tiny
+    result = FastDecoder(model, compile=False).generate(tokenizer, prompts(tokenizer)[0], SamplingParams(max_new_tokens=0))
+    assert result.token_ids == [] and result.text == ""
+
+
 def test_too_long_request_is_refused_with_the_numbers(tiny):
     model, tokenizer = tiny
     context = model.config.max_position_embeddings
