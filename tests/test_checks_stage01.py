@@ -6,11 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from aie_lessons.checks import CheckFailed
 from aie_lessons.checks import stage01 as checks
 from aie_lessons.model import apply_rope, rms_norm, rotate_half
 from aie_lessons.generate import greedy_step
 from aie_lessons.tokenizer import StreamingDetokenizer, Tokenizer
+
+from check_expect import names_the_mistake
 
 
 def rms_layernorm(x, w, eps):
@@ -48,7 +49,7 @@ def rms_float_output(x, w, eps):
     (rms_float_output, "cast the result back"),
 ])
 def test_rms_norm_check_names_the_mistake(wrong, message):
-    with pytest.raises(CheckFailed, match=f"Exercise 1.1: .*{message}"):
+    with names_the_mistake("1.1", message):
         checks.check_rms_norm(wrong)
 
 
@@ -76,7 +77,7 @@ def rope_swapped(x, cos, sin):
     (lambda x, cos, sin: x, "unchanged"),
 ])
 def test_apply_rope_check_names_the_mistake(wrong, message):
-    with pytest.raises(CheckFailed, match=f"(?s)Exercise 1.2: .*{message}"):
+    with names_the_mistake("1.2", message):
         checks.check_apply_rope(wrong)
 
 
@@ -87,7 +88,7 @@ def test_apply_rope_check_names_the_mistake(wrong, message):
     (lambda logits: logits[:, -1].argmin(-1), "argmin"),
 ])
 def test_greedy_step_check_names_the_mistake(wrong, message):
-    with pytest.raises(CheckFailed, match=f"Exercise 1.3: .*{message}"):
+    with names_the_mistake("1.3", message):
         checks.check_greedy_step(wrong)
 
 
@@ -112,7 +113,7 @@ class RepeatingDetokenizer(StreamingDetokenizer):
 ])
 def test_streaming_detokenizer_check_names_the_mistake(tiny_dir, wrong, message):
     tokenizer = Tokenizer.from_pretrained(tiny_dir)
-    with pytest.raises(CheckFailed, match=f"Exercise 1.4: .*{message}"):
+    with names_the_mistake("1.4", message):
         checks.check_streaming_detokenizer(wrong, tokenizer)
 
 

@@ -6,10 +6,11 @@ import pytest
 import torch
 
 import aie_lessons.attention as attention
-from aie_lessons.checks import CheckFailed
 from aie_lessons.checks import stage02 as checks
 from aie_lessons.model import LlamaModel, apply_rope, sdpa_attention
 from aie_lessons.shapes import Dims, ShapeError
+
+from check_expect import names_the_mistake
 
 
 def test_shape_error_names_tensor_symbols_and_values():
@@ -67,7 +68,7 @@ def split_d_major(x, heads):
     (lambda x, heads: x.view(x.shape[0], x.shape[1], heads, -1), "expected split_heads\\(x\\) of shape \\(2, 3, 5, 4\\), got \\(2, 5, 3, 4\\)"),
 ])
 def test_split_heads_check_names_the_mistake(wrong, message):
-    with pytest.raises(CheckFailed, match=f"Exercise 2.1: .*{message}"):
+    with names_the_mistake("2.1", message):
         checks.check_split_heads(wrong, attention.merge_heads)
 
 
@@ -91,7 +92,7 @@ def weights_unmasked(q, k, mask):
     (weights_unmasked, "masked keys got weight"),
 ])
 def test_attention_weights_check_names_the_mistake(wrong, message):
-    with pytest.raises(CheckFailed, match=f"Exercise 2.2: .*{message}"):
+    with names_the_mistake("2.2", message):
         checks.check_attention_weights(wrong)
 
 
@@ -110,7 +111,7 @@ def group_copy(q, kv_heads):
     (group_copy, "copied q"),
 ])
 def test_group_queries_check_names_the_mistake(wrong, message):
-    with pytest.raises(CheckFailed, match=f"Exercise 2.3: .*{message}"):
+    with names_the_mistake("2.3", message):
         checks.check_group_queries(wrong)
 
 
@@ -125,7 +126,7 @@ def layer_rotating_v(attn, x, cos, sin, mask=None):
 
 def test_attention_layer_check_names_rope_on_v(tiny_dir):
     model = LlamaModel.from_pretrained(tiny_dir)
-    with pytest.raises(CheckFailed, match="Exercise 2.4: you rotated v too"):
+    with names_the_mistake("2.4", "you rotated v too"):
         checks.check_attention_layer(layer_rotating_v, model)
     checks.check_attention_layer(attention.attention_layer, model)
 

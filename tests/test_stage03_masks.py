@@ -5,13 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from aie_lessons.checks import CheckFailed
 from aie_lessons.checks import stage03 as checks
 from aie_lessons.generate import SamplingParams, generate
 from aie_lessons.masks import attention_mask, causal_mask, to_additive
 from aie_lessons.model import LlamaModel
 from aie_lessons.padded_batch import PaddedBatch, generate_batch, left_pad
 from aie_lessons.tokenizer import Tokenizer
+
+from check_expect import names_the_mistake
 
 QUESTIONS = (
     "What is the capital of France?",
@@ -84,7 +85,7 @@ def test_batch_of_four_matches_alone_and_transformers(real_model_dir):
     (lambda q, kv: torch.ones(q, kv).tril(kv - q), "boolean"),
 ])
 def test_causal_mask_check_names_the_mistake(wrong, message):
-    with pytest.raises(CheckFailed, match=f"Exercise 3.1: .*{message}"):
+    with names_the_mistake("3.1", message):
         checks.check_causal_mask(wrong)
 
 
@@ -105,7 +106,7 @@ def pad_positions_from_zero(sequences, pad_id, device="cpu"):
     (pad_positions_from_zero, "positions count the padding"),
 ])
 def test_left_pad_check_names_the_mistake(wrong, message):
-    with pytest.raises(CheckFailed, match=f"Exercise 3.2: .*{message}"):
+    with names_the_mistake("3.2", message):
         checks.check_left_pad(wrong)
 
 
@@ -122,7 +123,7 @@ def mask_without_padding(is_real, q_len):
     (mask_without_padding, "padding keys are visible"),
 ])
 def test_attention_mask_check_names_the_mistake(wrong, message):
-    with pytest.raises(CheckFailed, match=f"Exercise 3.3: .*{message}"):
+    with names_the_mistake("3.3", message):
         checks.check_attention_mask(wrong)
 
 

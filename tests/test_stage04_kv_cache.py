@@ -6,7 +6,6 @@ import pytest
 import torch
 
 from aie_lessons.cached_generate import generate_cached, next_positions
-from aie_lessons.checks import CheckFailed
 from aie_lessons.checks import stage04 as checks
 from aie_lessons.config import ModelConfig
 from aie_lessons.generate import ContextLengthError, SamplingParams, generate
@@ -14,6 +13,8 @@ from aie_lessons.kv_cache import CacheFullError, KVCache, kv_cache_bytes
 from aie_lessons.model import LlamaModel
 from aie_lessons.padded_batch import generate_batch
 from aie_lessons.tokenizer import Tokenizer
+
+from check_expect import names_the_mistake
 
 
 @pytest.fixture(scope="module")
@@ -149,7 +150,7 @@ class AtZeroCache(KVCache):
     (AtZeroCache, "written at position 0"),
 ])
 def test_kv_cache_check_names_the_mistake(tiny_dir, wrong, message):
-    with pytest.raises(CheckFailed, match=f"Exercise 4.1: .*{message}"):
+    with names_the_mistake("4.1", message):
         checks.check_kv_cache(wrong, ModelConfig.from_json(tiny_dir))
 
 
@@ -158,7 +159,7 @@ def test_kv_cache_check_names_the_mistake(tiny_dir, wrong, message):
     (lambda is_real: is_real.sum(-1, keepdim=True) - 1, "off by one"),
 ])
 def test_next_positions_check_names_the_mistake(wrong, message):
-    with pytest.raises(CheckFailed, match=f"Exercise 4.2: .*{message}"):
+    with names_the_mistake("4.2", message):
         checks.check_next_positions(wrong)
 
 
