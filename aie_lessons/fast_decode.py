@@ -47,19 +47,34 @@ class LayerWeights:
         return self.qkv, self.o, self.gate_up, self.down, self.input_norm, self.post_norm
 
 
+def back_to_back(weights: list[torch.Tensor]) -> bool:
+    """True if the contiguous ``weights`` follow one another in one block of memory, in order."""
+    return all(w.is_contiguous() for w in weights) and all(
+        after.untyped_storage().data_ptr() == before.untyped_storage().data_ptr()
+        and after.data_ptr() == before.data_ptr() + before.nbytes
+        for before, after in zip(weights, weights[1:])
+    )
+
+
 def stack_shared(linears: list[nn.Linear]) -> torch.Tensor:
     """Stack the linears' weights, then make each weight a view of its rows of the stack.
 
-    The model keeps working unchanged, and no weight is held twice in memory.
+    The model keeps working unchanged, and no weight is held twice in memory. If the weights
+    already lie back to back (a decoder was built on this model before), that memory is the
+    stack: a second decoder on the same model copies nothing either.
     """
-    stacked = torch.cat([linear.weight.detach() for linear in linears])
-    rows = [linear.weight.shape[0] for linear in linears]
+    weights = [linear.weight.detach() for linear in linears]
+    rows = [w.shape[0] for w in weights]
+    if back_to_back(weights):
+        return weights[0].as_strided((sum(rows), weights[0].shape[1]), weights[0].stride())
+    stacked = torch.cat(weights)
     for linear, part in zip(linears, stacked.split(rows)):
         linear.weight = nn.Parameter(part, requires_grad=False)
     return stacked
 
 
 def fuse_layer_weights(layer: nn.Module) -> LayerWeights:
+    """A decoder layer's weights for the fused step; see ``stack_shared`` for the stacking."""
     attn, mlp = layer.self_attn, layer.mlp
     return LayerWeights(
         qkv=stack_shared([attn.q_proj, attn.k_proj, attn.v_proj]),

@@ -37,6 +37,11 @@ def test_fusing_keeps_the_model_and_stores_no_weight_twice(tiny):
     assert attn.v_proj.weight.untyped_storage().data_ptr() == fused.qkv.untyped_storage().data_ptr()
     assert mlp.up_proj.weight.untyped_storage().data_ptr() == fused.gate_up.untyped_storage().data_ptr()
     assert fused.qkv.shape == (attn.q_proj.out_features + 2 * attn.k_proj.out_features, attn.q_proj.in_features)
+    again = FastDecoder(model, compile=False).layers[0]  # a second decoder copies nothing
+    assert again.qkv.data_ptr() == fused.qkv.data_ptr() and torch.equal(again.qkv, fused.qkv)
+    assert again.gate_up.data_ptr() == fused.gate_up.data_ptr() and torch.equal(again.gate_up, fused.gate_up)
+    with torch.inference_mode():
+        assert torch.equal(model(ids), before)
 
 
 def test_decode_attention_equals_sdpa_with_grouped_heads():
