@@ -2,11 +2,21 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
 from aie_lessons.cached_generate import generate_cached
-from aie_lessons.fast_decode import FastDecoder, decode_attention, gemv
+from aie_lessons.fast_decode import (
+    HUGE_PAGE,
+    FastDecoder,
+    back_to_back,
+    decode_attention,
+    decode_order,
+    gemv,
+    huge_page_empty,
+)
 from aie_lessons.generate import ContextLengthError, SamplingParams
 from aie_lessons.model import LlamaModel, sdpa_attention
 from aie_lessons.tokenizer import Tokenizer
@@ -24,7 +34,7 @@ def prompts(tokenizer: Tokenizer) -> list[list[int]]:
     return [tokenizer.encode("hello world"), tokenizer.encode("the quick brown fox jumps over")]
 
 
-def test_fusing_keeps_the_model_and_stores_no_weight_twice(tiny):
+def test_packing_keeps_the_model_and_stores_no_weight_twice(tiny):
     model, tokenizer = tiny
     ids = torch.tensor([prompts(tokenizer)[1]])
     with torch.inference_mode():
@@ -32,16 +42,47 @@ def test_fusing_keeps_the_model_and_stores_no_weight_twice(tiny):
     decoder = FastDecoder(model, compile=False)
     with torch.inference_mode():
         assert torch.equal(model(ids), before)
-    attn, mlp, fused = model.layers[0].self_attn, model.layers[0].mlp, decoder.layers[0]
+    weights = [linear.weight for linear in decode_order(model)]
+    assert back_to_back(weights)  # one block, in the order a step reads them
+    assert weights[0].data_ptr() == decoder.block.data_ptr() and decoder.block.numel() == sum(w.numel() for w in weights)
+    assert model.embed_tokens.weight is model.lm_head.weight  # the tie survives the move
+    attn, fused = model.layers[0].self_attn, decoder.layers[0]
     assert attn.q_proj.weight.data_ptr() == fused.qkv.data_ptr()
-    assert attn.v_proj.weight.untyped_storage().data_ptr() == fused.qkv.untyped_storage().data_ptr()
-    assert mlp.up_proj.weight.untyped_storage().data_ptr() == fused.gate_up.untyped_storage().data_ptr()
     assert fused.qkv.shape == (attn.q_proj.out_features + 2 * attn.k_proj.out_features, attn.q_proj.in_features)
-    again = FastDecoder(model, compile=False).layers[0]  # a second decoder copies nothing
-    assert again.qkv.data_ptr() == fused.qkv.data_ptr() and torch.equal(again.qkv, fused.qkv)
-    assert again.gate_up.data_ptr() == fused.gate_up.data_ptr() and torch.equal(again.gate_up, fused.gate_up)
+    assert torch.equal(fused.qkv[-attn.v_proj.out_features:], attn.v_proj.weight)
+    assert torch.equal(fused.gate_up[model.config.intermediate_size:], model.layers[0].mlp.up_proj.weight)
+    again = FastDecoder(model, compile=False)  # a second decoder copies nothing
+    assert again.block.data_ptr() == decoder.block.data_ptr()
+    assert again.layers[0].gate_up.data_ptr() == fused.gate_up.data_ptr()
     with torch.inference_mode():
         assert torch.equal(model(ids), before)
+
+
+def huge_page_kib(address: int) -> int:
+    """AnonHugePages (kB) of the mapping holding ``address``, from /proc/self/smaps."""
+    inside = False
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            head = line.split()[0]
+            if "-" in head and ":" not in head:  # a mapping's header: start-end perms ...
+                start, end = (int(part, 16) for part in head.split("-"))
+                inside = start <= address < end
+            elif inside and head == "AnonHugePages:":
+                return int(line.split()[1])
+    raise AssertionError(f"no mapping holds address {address:#x}")
+
+
+def test_huge_page_memory_is_aligned_and_backed_by_huge_pages():
+    numel = 4 * HUGE_PAGE // 4
+    block = huge_page_empty(numel, torch.float32)
+    assert block.dtype == torch.float32 and block.shape == (numel,)
+    block.fill_(1.0)  # pages are allocated when first touched
+    assert block.sum().item() == numel
+    thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    if not thp.exists() or "[never]" in thp.read_text():
+        pytest.skip("this system has no transparent huge pages: the memory is ordinary (correct, slower)")
+    assert block.data_ptr() % HUGE_PAGE == 0
+    assert huge_page_kib(block.data_ptr()) >= HUGE_PAGE // 1024, "madvise(MADV_HUGEPAGE) did not give huge pages"
 
 
 def test_decode_attention_equals_sdpa_with_grouped_heads():
