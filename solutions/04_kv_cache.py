@@ -709,12 +709,12 @@ for name, result in speed.items():
 # rounds interleaved in one process, each ratio taken within a round (ratios measured side by
 # side are the only honest numbers on a shared machine). The probe copies in both kinds of
 # pages and keeps the faster, so huge pages raise the roofline as much as they raise us. On
-# the course machine fp32 runs at about three quarters of the roofline and about 3× as fast
-# as `transformers`. The profiler shows where the rest goes: between the matrix products,
+# the course machine fp32 runs at 63–70% of the roofline and over 3× as fast as
+# `transformers`. The profiler shows where the rest goes: between the matrix products,
 # RoPE, the cache write and attention run as short, partly single-threaded loops while the
 # memory sits idle — a fifth of a layer's time — and each compiled call from Python costs
 # some 25 µs. Compiling five or ten layers per call instead of one took three to five times
-# longer and ran no faster. bf16 reads half the bytes and runs 1.6–1.9× faster, not 2×: the
+# longer and ran no faster. bf16 reads half the bytes and runs 1.5–1.7× faster, not 2×: the
 # fixed costs stay, and converting bf16 to fp32 in the inner loop costs instructions.
 #
 # ## Summary
