@@ -376,8 +376,8 @@ print(events.table(sort_by="self_cpu_time_total", row_limit=8))
 # almost no arithmetic. Three changes attack both:
 #
 # 1. **Fuse the weights** that read the same input: q, k and v become one (960 × 576) matrix,
-#    gate and up one (3072 × 576). Fewer, larger passes over memory. The model's own
-#    projections become views of the stacked matrices, so no weight is stored twice.
+#    gate and up one (3072 × 576). Fewer, larger passes over memory (point 4 shows how they
+#    become one matrix without copying: no weight is stored twice).
 # 2. **Write the matrix–vector product as what it is**, `(W * x).sum(-1)` — and attention
 #    for one query the same way — and let `torch.compile` turn each layer into a handful of
 #    loops of generated C++: every weight streamed once, vectorised, on every core, with the
@@ -462,13 +462,9 @@ HUGE_PAGE = 2 * 2**20  # bytes in one x86-64 / arm64 huge page
 def huge_page_empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
     """An uninitialised 1-D CPU tensor in memory that Linux is asked to back with 2 MB pages.
 
-    Every address the CPU reads is translated through the TLB, a small cache of page-table
-    entries. Streaming 538 MB of weights in ordinary 4 KB pages needs a new entry every
-    4 KB — 130,000 per token — and each miss walks the page tables (in a virtual machine,
-    two sets of them) while the hardware prefetcher, which stops at page edges, waits.
-    With 2 MB pages there are 512 times fewer. This is the transparent-huge-page request
-    (``madvise``); where it does not exist (macOS, Windows) or the system declines it, the
-    memory is ordinary and only the speed differs.
+    Streamed weights then miss the TLB 512 times less often (section 6, point 4). This is
+    the transparent-huge-page request (``madvise``); where it does not exist (macOS,
+    Windows) or the system declines it, the memory is ordinary and only the speed differs.
     """
     nbytes = numel * torch.empty(0, dtype=dtype).element_size()
     if not hasattr(mmap, "MADV_HUGEPAGE"):
@@ -523,7 +519,9 @@ def pack_weights(model: LlamaModel) -> torch.Tensor:
 def joined(linears: list[nn.Linear]) -> torch.Tensor:
     """One matrix over projections of one input whose weights lie back to back (packed)."""
     weights = [linear.weight.detach() for linear in linears]
-    assert back_to_back(weights), "pack_weights(model) first"
+    if not back_to_back(weights):
+        raise ValueError("these projections' weights are not back to back in memory: "
+                         "call pack_weights(model) first")
     return weights[0].as_strided((sum(w.shape[0] for w in weights), weights[0].shape[1]), weights[0].stride())
 
 
@@ -538,6 +536,9 @@ def fuse_layer_weights(layer: nn.Module) -> LayerWeights:
         input_norm=layer.input_layernorm.weight.detach().float(),
         post_norm=layer.post_attention_layernorm.weight.detach().float(),
     )
+
+
+LayerInputs = tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...]]  # keys, values, weights
 
 
 def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
@@ -622,7 +623,7 @@ class FastDecoder:
         self.decode_layer = torch.compile(decode_layer) if compile else decode_layer
         self.decode_head = torch.compile(decode_head) if compile else decode_head
 
-    def layer_inputs(self, cache: KVCache) -> list[tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...]]]:
+    def layer_inputs(self, cache: KVCache) -> list[LayerInputs]:
         """Each layer's (keys, values, weights) for ``decode_layer``, gathered once per request.
 
         Indexing the cache and building the argument tuples anew at every step costs about
@@ -630,7 +631,7 @@ class FastDecoder:
         """
         return [(cache.keys[i, 0], cache.values[i, 0], w.tensors()) for i, w in enumerate(self.layers)]
 
-    def step(self, token: int, t: int, layers: list, cos: torch.Tensor, sin: torch.Tensor) -> int:
+    def step(self, token: int, t: int, layers: list[LayerInputs], cos: torch.Tensor, sin: torch.Tensor) -> int:
         """Decode ``token`` at position ``t``; return the next token's id.
 
         ``layers`` is ``layer_inputs(cache)`` of this request's cache, whose row ``t`` this

@@ -16,6 +16,7 @@ from aie_lessons.fast_decode import (
     decode_order,
     gemv,
     huge_page_empty,
+    joined,
 )
 from aie_lessons.generate import ContextLengthError, SamplingParams
 from aie_lessons.model import LlamaModel, sdpa_attention
@@ -56,6 +57,13 @@ def test_packing_keeps_the_model_and_stores_no_weight_twice(tiny):
     assert again.layers[0].gate_up.data_ptr() == fused.gate_up.data_ptr()
     with torch.inference_mode():
         assert torch.equal(model(ids), before)
+
+
+def test_joining_unpacked_weights_is_refused_with_the_fix(tiny):
+    model, _ = tiny
+    attn = model.layers[0].self_attn
+    with pytest.raises(ValueError, match=r"pack_weights\(model\) first"):
+        joined([attn.q_proj, attn.k_proj, attn.v_proj])
 
 
 def huge_page_kib(address: int) -> int:
