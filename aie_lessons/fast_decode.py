@@ -7,7 +7,7 @@ from __future__ import annotations
 import mmap
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -15,7 +15,7 @@ from torch import nn
 
 from aie_lessons.generate import GenerationResult, SamplingParams, SequenceOutput, check_prompt, eos_token_ids, greedy_step
 from aie_lessons.kv_cache import KVCache
-from aie_lessons.model import LlamaModel, apply_rope, rms_norm, rope_cos_sin
+from aie_lessons.model import LlamaModel, rms_norm, rope_cos_sin
 from aie_lessons.tokenizer import Tokenizer
 
 
@@ -161,6 +161,19 @@ def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) 
     return out.reshape(-1, head_dim)
 
 
+def rope_one_token(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Stage 02's ``apply_rope`` for one position: x (H, D) fp32, cos/sin (D,) -> (H, D).
+
+    The same rotation — coordinates i and i + D/2 turned together — but the half swap is a
+    flip of the (H, 2, D/2) view times (−1, +1), where ``rotate_half`` concatenates: inductor
+    writes each piece of a ``torch.cat`` in a loop of its own (with a wait after each), while a
+    flip is only index arithmetic inside one loop. About 2% of the compiled step.
+    """
+    pairs = x.view(x.shape[0], 2, -1)
+    sign = torch.tensor([-1.0, 1.0], device=x.device).view(1, 2, 1)
+    return x * cos + (pairs.flip(1) * sign).view(x.shape) * sin
+
+
 def decode_layer(
     x: torch.Tensor,
     t: int,
@@ -180,16 +193,16 @@ def decode_layer(
 
     x (hidden,) fp32; cos/sin (max_len, D) RoPE tables; keys/values (Hkv, max_len, D) this
     layer's cache, whose row ``t`` is written here, in place. Everything is looked up *inside*
-    the function with ``narrow``, so after its first two calls ``torch.compile`` treats ``t``
+    the function (``cos[t]``, ``narrow``), so after its first two calls ``torch.compile`` treats ``t``
     as a symbol and never recompiles; sizes come from the tensors' shapes, so one compiled
     function serves every layer.
     """
     head_dim, q_size = cos.shape[-1], o.shape[1]
     kv_size = (qkv.shape[0] - q_size) // 2
     q, k, v = gemv(rms_norm(x, input_norm, eps), qkv).split([q_size, kv_size, kv_size])
-    cos, sin = cos.narrow(0, t, 1).view(1, 1, head_dim), sin.narrow(0, t, 1).view(1, 1, head_dim)
-    q = apply_rope(q.view(1, -1, 1, head_dim), cos, sin)  # (1, Hq, 1, D)
-    k = apply_rope(k.view(1, -1, 1, head_dim), cos, sin)
+    cos, sin = cos[t], sin[t]
+    q = rope_one_token(q.view(-1, head_dim), cos, sin)  # (Hq, D)
+    k = rope_one_token(k.view(-1, head_dim), cos, sin)
     keys.narrow(1, t, 1).copy_(k.view(-1, 1, head_dim))
     values.narrow(1, t, 1).copy_(v.view(-1, 1, head_dim))
     attended = decode_attention(q, keys.narrow(1, 0, t + 1), values.narrow(1, 0, t + 1))
@@ -221,8 +234,11 @@ class FastDecoder:
         self.final_norm = model.norm.weight.detach().float()
         self.head = model.lm_head.weight.detach()
         self.eps = model.config.rms_norm_eps
-        self.decode_layer = torch.compile(decode_layer) if compile else decode_layer
-        self.decode_head = torch.compile(decode_head) if compile else decode_head
+        # Inductor's Python wrapper re-checks every input's size and stride on each call, after
+        # dynamo's guards have checked them to pick the compiled code: ~2% of the step, skipped.
+        options = {"size_asserts": False}
+        self.decode_layer = torch.compile(decode_layer, options=options) if compile else decode_layer
+        self.decode_head = torch.compile(decode_head, options=options) if compile else decode_head
 
     def layer_inputs(self, cache: KVCache) -> list[LayerInputs]:
         """Each layer's (keys, values, weights) for ``decode_layer``, gathered once per request.
@@ -243,9 +259,37 @@ class FastDecoder:
             x = self.decode_layer(x, t, cos, sin, keys, values, self.eps, *weights)
         return int(self.decode_head(x, self.final_norm, self.eps, self.head))
 
+    def tokens(self, prompt_ids: list[int], max_new_tokens: int) -> Iterator[int]:
+        """The greedy continuation of ``prompt_ids``, one token per ``next()``, at most ``max_new_tokens``.
+
+        The first ``next()`` runs the prefill, each later one a single decode step, so that a
+        caller can time, interleave or stop them one at a time: ``generate`` is this loop plus
+        streaming and stop rules, and ``benchmarks/decode.py`` alternates two decoders' steps
+        with bandwidth probes. A prompt that does not fit is refused here, before any work.
+        """
+        check_prompt(prompt_ids, SamplingParams(max_new_tokens=max_new_tokens), self.model)
+        return self._decode(prompt_ids, max_new_tokens)
+
     # no_grad, not inference_mode: tensors made under inference_mode differ from the compiled
     # step's outputs in a way torch.compile guards on, which would compile every layer twice.
     @torch.no_grad()
+    def _decode(self, prompt_ids: list[int], max_new_tokens: int) -> Iterator[int]:
+        if max_new_tokens == 0:
+            return
+        model, device = self.model, self.embed.device
+        max_len = len(prompt_ids) + max_new_tokens
+        cache = KVCache(model.config, 1, max_len, dtype=self.embed.dtype, device=device)
+        positions = torch.arange(max_len, device=device)[None]
+        cos, sin = (t[0] for t in rope_cos_sin(positions, model.config.head_dim, model.config.rope_theta))
+        layers = self.layer_inputs(cache)
+        logits = model(torch.tensor([prompt_ids], device=device), cache=cache, last_position_only=True)
+        token = int(greedy_step(logits)[0])
+        yield token
+        for _ in range(max_new_tokens - 1):
+            token = self.step(token, cache.length, layers, cos, sin)
+            cache.advance(1)
+            yield token
+
     def generate(
         self,
         tokenizer: Tokenizer,
@@ -254,22 +298,11 @@ class FastDecoder:
         on_text: Callable[[str], None] | None = None,
     ) -> GenerationResult:
         """Same contract as ``generate_cached`` for one prompt (same tokens in fp32)."""
-        model, device = self.model, self.embed.device
-        check_prompt(prompt_ids, params, model)
-        output = SequenceOutput(tokenizer, prompt_ids, params, eos_token_ids(model, tokenizer), on_text)
-        max_len = len(prompt_ids) + params.max_new_tokens
-        cache = KVCache(model.config, 1, max_len, dtype=self.embed.dtype, device=device)
-        positions = torch.arange(max_len, device=device)[None]
-        cos, sin = (t[0] for t in rope_cos_sin(positions, model.config.head_dim, model.config.rope_theta))
-        layers = self.layer_inputs(cache)
-        start = time.perf_counter()
-        logits = model(torch.tensor([prompt_ids], device=device), cache=cache, last_position_only=True)
-        token = int(greedy_step(logits)[0])
+        steps = self.tokens(prompt_ids, params.max_new_tokens)
+        output = SequenceOutput(tokenizer, prompt_ids, params, eos_token_ids(self.model, tokenizer), on_text)
         while not output.finished:  # finished before the first token if max_new_tokens == 0
-            output.result.step_seconds.append(time.perf_counter() - start)
-            if output.push(token):
-                break
             start = time.perf_counter()
-            token = self.step(token, cache.length, layers, cos, sin)
-            cache.advance(1)
+            token = next(steps)
+            output.result.step_seconds.append(time.perf_counter() - start)
+            output.push(token)
         return output.result

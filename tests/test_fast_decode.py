@@ -17,9 +17,10 @@ from aie_lessons.fast_decode import (
     gemv,
     huge_page_empty,
     joined,
+    rope_one_token,
 )
 from aie_lessons.generate import ContextLengthError, SamplingParams
-from aie_lessons.model import LlamaModel, sdpa_attention
+from aie_lessons.model import LlamaModel, apply_rope, rope_cos_sin, sdpa_attention
 from aie_lessons.tokenizer import Tokenizer
 
 PARAMS = SamplingParams(max_new_tokens=12, ignore_eos=True)
@@ -101,6 +102,16 @@ def test_decode_attention_equals_sdpa_with_grouped_heads():
 
 
 @pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
+def test_rope_one_token_is_stage_02_rope(compile):
+    x = torch.randn(6, 16, generator=torch.Generator().manual_seed(0))
+    cos, sin = rope_cos_sin(torch.tensor([[37]]), 16, 10000.0)  # (1, 1, 16): position 37
+    expected = apply_rope(x.view(1, 6, 1, 16), cos, sin).view(6, 16)
+    rope = torch.compile(rope_one_token) if compile else rope_one_token
+    assert torch.allclose(rope(x, cos[0, 0], sin[0, 0]), expected, atol=1e-6)
+    assert not torch.allclose(expected, x * cos[0, 0] + x.flip(-1) * sin[0, 0], atol=1e-3)  # pairs matter
+
+
+@pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
 def test_gemv_multiplies_bf16_weights_in_fp32(compile):
     weight = torch.randn(5, 64).bfloat16()
     x = torch.randn(64)
@@ -133,6 +144,17 @@ def test_stops_and_streams_like_generate_cached(tiny):
     assert "".join(streamed) == result.text == reference.text
 
 
+def test_tokens_come_one_step_at_a_time_and_stop_at_the_limit(tiny):
+    model, tokenizer = tiny
+    prompt = prompts(tokenizer)[1]
+    reference = generate_cached(model, tokenizer, [prompt], PARAMS)[0].token_ids
+    decoder = FastDecoder(model, compile=False)
+    steps = decoder.tokens(prompt, PARAMS.max_new_tokens)
+    assert [next(steps) for _ in range(3)] == reference[:3]  # a caller can pause between steps
+    assert [*steps] == reference[3:]  # and the generator ends at max_new_tokens
+    assert [*decoder.tokens(prompt, 0)] == []
+
+
 def test_zero_new_tokens_gives_none(tiny):
     model, tokenizer = tiny
     result = FastDecoder(model, compile=False).generate(tokenizer, prompts(tokenizer)[0], SamplingParams(max_new_tokens=0))
@@ -144,6 +166,8 @@ def test_too_long_request_is_refused_with_the_numbers(tiny):
     context = model.config.max_position_embeddings
     with pytest.raises(ContextLengthError, match=str(context)):
         FastDecoder(model, compile=False).generate(tokenizer, [1] * context, SamplingParams(max_new_tokens=5))
+    with pytest.raises(ContextLengthError, match=str(context)):  # at the call, not at the first next()
+        FastDecoder(model, compile=False).tokens([1] * context, 5)
 
 
 @pytest.mark.oracle
