@@ -133,6 +133,20 @@ def test_same_tokens_as_generate_cached(tiny, compile):
             assert len(result.step_seconds) == PARAMS.max_new_tokens
 
 
+@pytest.mark.parametrize("layers_per_call", [1, 3])
+def test_any_grouping_of_layers_per_call_gives_the_same_tokens(tiny, layers_per_call):
+    model, tokenizer = tiny  # two layers: one call each, or one call of both
+    prompt = prompts(tokenizer)[0]
+    expected = generate_cached(model, tokenizer, [prompt], PARAMS)[0].token_ids
+    decoder = FastDecoder(model, compile=False, layers_per_call=layers_per_call)
+    assert decoder.generate(tokenizer, prompt, PARAMS).token_ids == expected
+
+
+def test_layers_per_call_below_one_is_refused(tiny):
+    with pytest.raises(ValueError, match="layers_per_call must be at least 1"):
+        FastDecoder(tiny[0], compile=False, layers_per_call=0)
+
+
 def test_stops_and_streams_like_generate_cached(tiny):
     model, tokenizer = tiny
     prompt = prompts(tokenizer)[0]
