@@ -395,6 +395,15 @@ print(events.table(sort_by="self_cpu_time_total", row_limit=8))
 #    and each miss walks the page tables (twice over in a virtual machine) while the
 #    hardware prefetcher, which stops at page edges, waits. Same bytes, same loops: on the
 #    course machine the fp32 step ran 15–25% faster from huge pages.
+# 5. **Keep the loops lean and the calls few.** Inductor inlines cheap elementwise work into
+#    the loops that read it, which is usually right — but an RMSNorm feeding a matrix–vector
+#    product would then be redone for every row of the matrix. What a compiled function
+#    *returns* is always stored, once, so the step returns the normalized vectors it feeds
+#    to the products (`Stored`), and the inner loop only loads and multiplies. RoPE is
+#    written as a flip rather than a concatenation for a like reason: one loop, not one per
+#    half. And each compiled call from Python costs some 25 µs while the memory idles, so one
+#    call runs five layers. Each of these is a few percent in fp32; in bf16, whose step is
+#    half as long while these costs stay, together they are a fifth of the step.
 #
 # Plus the usual hygiene: RoPE angles from a table computed once per request, the cache
 # written in place, and the step returns the next token's id, not 49,152 logits.
@@ -772,21 +781,21 @@ for name, result in speed.items():
 # %% [markdown]
 # Run eagerly, the fused step is no faster than `generate_cached`: fusing three matrices
 # into one barely changes the bytes, and the BLAS call still streams them slowly. The gain is
-# the compiler's, about 2.5–3× on the course machine — and it needed the step *written for*
+# the compiler's, about 3–3.5× on the course machine — and it needed the step *written for*
 # it: one token, fixed shapes but for the position, products spelled as loops it can fuse.
 #
 # `benchmarks/decode.py` runs the full comparison: this decoder in fp32 and bf16 against
-# `transformers` on the same weights and against the roofline from a bandwidth probe, five
-# rounds interleaved in one process, each ratio taken within a round (ratios measured side by
-# side are the only honest numbers on a shared machine). The probe copies in both kinds of
-# pages and keeps the faster, so huge pages raise the roofline as much as they raise us. On
-# the course machine fp32 runs at 63–70% of the roofline and over 3× as fast as
-# `transformers`. The profiler shows where the rest goes: between the matrix products,
-# RoPE, the cache write and attention run as short, partly single-threaded loops while the
-# memory sits idle — a fifth of a layer's time — and each compiled call from Python costs
-# some 25 µs. Compiling five or ten layers per call instead of one took three to five times
-# longer and ran no faster. bf16 reads half the bytes and runs 1.5–1.7× faster, not 2×: the
-# fixed costs stay, and converting bf16 to fp32 in the inner loop costs instructions.
+# `transformers` on the same weights and against the roofline from a bandwidth probe, all in
+# one process. The memory's speed drifts from second to second on a shared machine, so every
+# ratio compares measurements taken moments apart: whole requests for the ratio to
+# `transformers`, and for the roofline and bf16 ratios single decode steps, each between two
+# probes, fp32 and bf16 taking turns. The probe copies in both kinds of pages and keeps the
+# faster, so huge pages raise the roofline as much as they raise us. On the course machine
+# fp32 runs at about 0.8 of the roofline and 3.5× as fast as `transformers`, and bf16 about
+# 1.7× as fast as fp32. What is left: between the matrix products, attention, RoPE and the
+# cache write run as short, partly single-threaded loops while the memory idles, and the
+# seven compiled calls a step still cost some 25 µs each. bf16 reads half the bytes but runs
+# less than 2× as fast because those costs stay.
 #
 # ## Summary
 #
