@@ -403,7 +403,7 @@ print(events.table(sort_by="self_cpu_time_total", row_limit=8))
 #    written as a flip rather than a concatenation for a like reason: one loop, not one per
 #    half. And each compiled call from Python costs some 25 µs while the memory idles, so one
 #    call runs five layers. Each of these is a few percent in fp32; in bf16, whose step is
-#    half as long while these costs stay, together they are a fifth of the step.
+#    half as long while these costs stay, together they took some 15% off the step.
 #
 # Plus the usual hygiene: RoPE angles from a table computed once per request, the cache
 # written in place, and the step returns the next token's id, not 49,152 logits.
@@ -785,7 +785,7 @@ for name, result in speed.items():
 # `transformers`, and for the roofline and bf16 ratios single decode steps, each between two
 # probes, fp32 and bf16 taking turns. The probe copies in both kinds of pages and keeps the
 # faster, so huge pages raise the roofline as much as they raise us. On the course machine
-# fp32 runs at about 0.8 of the roofline and 3.5× as fast as `transformers`, and bf16 about
+# fp32 runs at 0.76–0.80 of the roofline and 3.5–4× as fast as `transformers`, and bf16
 # 1.7× as fast as fp32. What is left: between the matrix products, attention, RoPE and the
 # cache write run as short, partly single-threaded loops while the memory idles, and the
 # seven compiled calls a step still cost some 25 µs each. bf16 reads half the bytes but runs
