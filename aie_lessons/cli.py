@@ -31,7 +31,8 @@ def _generate(args: argparse.Namespace) -> int:
     model_dir = Path(args.model) if args.model else default_model_dir()
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
     tokenizer = Tokenizer.from_pretrained(model_dir)
-    model = LlamaModel.from_pretrained(model_dir, dtype=dtype, device=args.device)
+    activations = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.activations]
+    model = LlamaModel.from_pretrained(model_dir, dtype=dtype, device=args.device, activations=activations)
     prompt_ids = tokenizer.encode_chat(args.prompt) if args.chat else tokenizer.encode(args.prompt)
     params = SamplingParams(max_new_tokens=args.max_new_tokens, stop=tuple(args.stop or ()))
 
@@ -131,7 +132,11 @@ def build_parser() -> argparse.ArgumentParser:
                      help="use stage 01's loop without a KV cache (slow: for comparison)")
     gen.add_argument("--compile", action="store_true",
                      help="decode with stage 04's compiled FastDecoder (compiles first: seconds)")
-    gen.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    gen.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                     help="how the weights are stored (bfloat16 halves the bytes per token)")
+    gen.add_argument("--activations", choices=["float32", "bfloat16"], default="float32",
+                     help="what the model computes in (stage 04, section 7 measures the choice); "
+                          "logits are float32 either way")
     gen.add_argument("--device", default="cpu", help="cpu or cuda")
     gen.add_argument("--model", metavar="DIR", help="checkpoint folder (default: the fetched model)")
     gen.set_defaults(run=_generate)

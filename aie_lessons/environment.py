@@ -15,7 +15,10 @@ from pathlib import Path
 from aie_lessons.paths import default_model_dir
 
 # CPU features that decide which fast paths PyTorch's CPU kernels can take.
-CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "neon", "asimd")
+CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile", "neon", "asimd")
+# Which instructions multiply bf16 here. Each family rounds and sums bf16 products in its own
+# order, so bf16 results (and speed) differ between, say, AMD Zen 4 and Intel Xeon with AMX.
+BF16_UNITS = (("amx_bf16", "AMX-BF16 tiles"), ("avx512_bf16", "AVX-512 BF16"))
 
 
 def _version(package: str) -> str | None:
@@ -34,11 +37,16 @@ def cpu_facts() -> dict[str, object]:
             if line.startswith("model name"):
                 facts["model"] = line.split(":", 1)[1].strip()
                 break
+        for line in text.splitlines():
+            if line.startswith("vendor_id"):
+                facts["vendor"] = line.split(":", 1)[1].strip()
+                break
         flags = set()
         for line in text.splitlines():
             if line.startswith(("flags", "Features")):
                 flags |= set(line.split(":", 1)[1].split())
         facts["features"] = [f for f in CPU_FLAGS if f in flags]
+        facts["bf16"] = [name for flag, name in BF16_UNITS if flag in flags]
     meminfo = Path("/proc/meminfo")
     if meminfo.exists():
         total_kib = int(meminfo.read_text().split("MemTotal:")[1].split()[0])
@@ -88,8 +96,9 @@ def environment_report() -> str:
     triton_ok, triton_why = facts.pop("triton")
     rows = [(k, str(v)) for k, v in facts.items()]
     rows[3:3] = [
-        ("cpu", f"{cpu['model']} ({cpu['cores']} logical cores)"),
+        ("cpu", f"{cpu['model']} ({cpu.get('vendor', 'vendor unknown')}, {cpu['cores']} logical cores)"),
         ("cpu features", ", ".join(cpu.get("features", [])) or "none detected"),
+        ("bf16 arithmetic", " and ".join(cpu.get("bf16", [])) or "no bf16 instructions: bf16 is converted to fp32"),
         ("memory", f"{cpu.get('memory_gb', '?')} GB"),
     ]
     rows.append(("triton", ("available: " if triton_ok else "unavailable: ") + triton_why))

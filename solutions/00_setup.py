@@ -40,6 +40,11 @@
 # Everything we measure later depends on these facts: the processor's vector features decide
 # which fast kernels PyTorch can use, and the memory size decides how large a batch fits.
 # Triton, used in stage 05, needs Linux; on a machine without a GPU it runs in an interpreter.
+# The vendor and the *bf16 arithmetic* line matter too: AMD's Zen 4 multiplies bf16 with
+# AVX-512 BF16, Intel's Xeons also with AMX tiles, and each rounds and sums in its own order.
+# So bf16 results differ slightly from one machine to the next (and fp32 ones in the last
+# digits): the course compares them with tolerances, never digit for digit (stage 04 measures
+# how far bf16 is from fp32).
 
 # %%
 # NBVAL_IGNORE_OUTPUT

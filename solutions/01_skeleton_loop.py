@@ -449,6 +449,30 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     # END EXERCISE 1.2
 
 
+class Linear(nn.Linear):
+    """``nn.Linear`` that computes in its input's dtype, whatever dtype its weight is stored in.
+
+    Storage and arithmetic are separate choices: bf16 weights halve the bytes every token reads,
+    while fp32 activations keep the results close to the fp32 model (stage 04 measures both).
+    A lower-precision weight is upcast ``UPCAST_ROWS`` rows at a time, so each fp32 block is
+    used while it is still in the CPU's cache rather than written out to memory and read back.
+    """
+
+    UPCAST_ROWS = 1024
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight, bias = self.weight, None if self.bias is None else self.bias.to(x.dtype)
+        if weight.dtype == x.dtype:
+            return F.linear(x, weight, bias)
+        flat = x.reshape(-1, x.shape[-1])
+        out = torch.empty(weight.shape[0], flat.shape[0], dtype=x.dtype, device=x.device)
+        for start in range(0, weight.shape[0], self.UPCAST_ROWS):
+            rows = weight[start:start + self.UPCAST_ROWS]
+            torch.mm(rows.to(x.dtype), flat.T, out=out[start:start + rows.shape[0]])
+        out = out.T.reshape(*x.shape[:-1], weight.shape[0])
+        return out if bias is None else out + bias
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -466,10 +490,10 @@ class Attention(nn.Module):
         self.backend = backend
         self.layer_index = layer_index
         d, hq, hkv = config.head_dim, config.num_heads, config.num_kv_heads
-        self.q_proj = nn.Linear(config.hidden_size, hq * d, bias=False)
-        self.k_proj = nn.Linear(config.hidden_size, hkv * d, bias=False)
-        self.v_proj = nn.Linear(config.hidden_size, hkv * d, bias=False)
-        self.o_proj = nn.Linear(hq * d, config.hidden_size, bias=False)
+        self.q_proj = Linear(config.hidden_size, hq * d, bias=False)
+        self.k_proj = Linear(config.hidden_size, hkv * d, bias=False)
+        self.v_proj = Linear(config.hidden_size, hkv * d, bias=False)
+        self.o_proj = Linear(hq * d, config.hidden_size, bias=False)
 
     def forward(self, x, cos, sin, mask=None, cache=None) -> torch.Tensor:
         batch, seq, _ = x.shape
@@ -479,7 +503,8 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(batch, seq, hkv, d).transpose(1, 2)  # (B, Hkv, S, D)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:  # stage 04: store the new keys/values, attend to all kept so far
-            k, v = cache.update(self.layer_index, k, v)  # (B, Hkv, T, D)
+            k, v = cache.update(self.layer_index, k, v)  # (B, Hkv, T, D), in the cache's dtype
+            k, v = k.to(q.dtype), v.to(q.dtype)
         out = ATTENTION_BACKENDS[self.backend](q, k, v, mask=mask)  # (B, Hq, S, D)
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq, hq * d))
 
@@ -489,9 +514,9 @@ class MLP(nn.Module):
 
     def __init__(self, config: ModelConfig):
         super().__init__()
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.gate_proj = Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -511,17 +536,24 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    """Token ids (B, S) -> next-token logits (B, S, vocab). Parameter names match HuggingFace."""
+    """Token ids (B, S) -> next-token logits (B, S, vocab), always fp32. Names match HuggingFace.
 
-    def __init__(self, config: ModelConfig, attention: str = "sdpa"):
+    ``activations`` is the dtype the hidden states are computed in, whatever the weights are
+    stored in: fp32 by default, so bf16 weights only halve the bytes (stage 04 measures the
+    choice). The logits leave in fp32 either way: in bf16, logits near 25 are 0.125 apart, so
+    close candidates would tie and argmax would pick the lower id.
+    """
+
+    def __init__(self, config: ModelConfig, attention: str = "sdpa", activations: torch.dtype = torch.float32):
         super().__init__()
         self.config = config
+        self.activations = activations
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
             DecoderLayer(config, attention, i) for i in range(config.num_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.set_attention_backend(attention)
@@ -543,15 +575,17 @@ class LlamaModel(nn.Module):
         dtype: torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
         attention: str = "sdpa",
+        activations: torch.dtype = torch.float32,
     ) -> "LlamaModel":
         """Build the module without allocating, then adopt the loaded tensors as parameters.
 
+        ``dtype`` is how the weights are stored, ``activations`` what the model computes in.
         Constructing on the ``meta`` device allocates nothing, and ``assign=True`` makes the
         loaded tensors *become* the parameters: the weights are in memory exactly once.
         """
         config = ModelConfig.from_json(model_dir)
         with torch.device("meta"):
-            model = cls(config, attention)
+            model = cls(config, attention, activations)
         state = load_weights(model_dir, dtype=dtype, device=device)
         if config.tie_word_embeddings:
             state.pop("lm_head.weight", None)
@@ -586,7 +620,7 @@ class LlamaModel(nn.Module):
             start = cache.length if cache is not None else 0
             positions = torch.arange(start, start + input_ids.shape[1], device=input_ids.device)
             positions = positions.expand_as(input_ids)
-        x = self.embed_tokens(input_ids)  # (B, S, hidden)
+        x = self.embed_tokens(input_ids).to(self.activations)  # (B, S, hidden)
         cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta)
         cos, sin = cos.to(x.dtype), sin.to(x.dtype)
         for layer in self.layers:
@@ -595,7 +629,7 @@ class LlamaModel(nn.Module):
             cache.advance(input_ids.shape[1])
         if last_position_only:
             x = x[:, -1:]
-        return self.lm_head(self.norm(x))  # (B, S, vocab)
+        return self.lm_head(self.norm(x).float())  # (B, S, vocab), fp32
 
 
 # %% [markdown]

@@ -386,7 +386,8 @@ print(events.table(sort_by="self_cpu_time_total", row_limit=8))
 # 3. **Keep the activations in fp32.** A token's activations are a few kilobytes; the weights
 #    are hundreds of megabytes. With bf16 weights, only the weights need to be bf16 to halve
 #    the bytes; fp32 activations spare the inner loop conversions and roundings (llama.cpp
-#    does the same), and keep bf16 decoding closer to fp32 than the plain bf16 model.
+#    does the same), and keep bf16 decoding closer to fp32 than the plain bf16 model
+#    (section 7 measures how much closer).
 # 4. **Lay the weights out for streaming.** Every matrix a step reads moves into one block of
 #    memory, in the order the step reads it — so q/k/v and gate/up are each one matrix
 #    without a copy — and on Linux that block asks for 2 MB "huge" pages instead of 4 KB
@@ -791,6 +792,153 @@ for name, result in speed.items():
 # seven compiled calls a step still cost some 25 µs each. bf16 reads half the bytes but runs
 # less than 2× as fast because those costs stay.
 #
+# ## 7. bf16: what to store, and what to compute in
+#
+# bf16 keeps fp32's exponent and 8 of its 24 mantissa bits: numbers near 25 are 0.125 apart.
+# Storing the *weights* in bf16 halves the bytes every decode step reads. That leaves a
+# choice for the arithmetic:
+#
+# - **bf16 activations**: every hidden state, every norm output and every product rounded to
+#   8 bits, layer after layer. CPUs with bf16 instructions (AVX-512 BF16, AMX) run the matrix
+#   products of a prefill faster this way.
+# - **fp32 activations**: the weights are rounded once, when stored; everything computed from
+#   them stays fp32 (`Linear` upcasts a block of weight rows at a time). This is what the
+#   compiled decoder above does, and `LlamaModel`'s default.
+#
+# Either way the **logits leave the model in fp32**: rounded to bf16, two candidates 0.09
+# apart can both become exactly 25.0, and argmax then picks the lower id, whatever the model
+# meant. How much each choice changes the model is measured, not guessed: run fp32 and both
+# bf16 variants over real text — the essay shipped in `data/prose/` — in windows of 256
+# tokens, each position predicting the next (teacher forcing), and compare every position's
+# distribution with fp32's: how often the best token is the same (top-1 agreement), the mean
+# KL divergence, and the largest logit error.
+
+# %%
+# export: precision
+"""How far a lower-precision model's next-token predictions are from the fp32 model's."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from aie_lessons.model import LlamaModel
+
+
+@dataclass(frozen=True)
+class Agreement:
+    """A model's predictions compared with a reference's at the same positions."""
+
+    positions: int
+    top1: float  # fraction of positions where both rank the same token first
+    mean_kl: float  # KL(reference ‖ model) in nats, averaged over positions
+    max_logit_error: float  # largest |logit − reference logit| anywhere
+
+
+@torch.inference_mode()
+def teacher_forced_logits(model: LlamaModel, ids: list[int], window: int) -> torch.Tensor:
+    """fp32 logits (positions, vocab) of ``ids`` cut into whole windows of ``window`` tokens.
+
+    Each window runs from position 0, as a fresh prompt would, and every one of its positions
+    predicts the next token of the real text (teacher forcing): a model's errors do not feed
+    into its later inputs, so two models are compared on exactly the same contexts.
+    """
+    if len(ids) < window:
+        raise ValueError(f"{len(ids)} tokens do not fill one window of {window}: use a longer text")
+    device = model.embed_tokens.weight.device
+    windows = [ids[i:i + window] for i in range(0, len(ids) - window + 1, window)]
+    return torch.cat([model(torch.tensor([w], device=device))[0].float() for w in windows])
+
+
+def agreement(reference: torch.Tensor, logits: torch.Tensor) -> Agreement:
+    """Compare ``logits`` with ``reference`` logits, both (positions, vocab)."""
+    if reference.shape != logits.shape:
+        raise ValueError(f"shapes differ: reference {tuple(reference.shape)}, logits {tuple(logits.shape)}")
+    log_p, log_q = reference.float().log_softmax(-1), logits.float().log_softmax(-1)
+    kl = (log_p.exp() * (log_p - log_q)).sum(-1)
+    return Agreement(
+        positions=reference.shape[0],
+        top1=(reference.argmax(-1) == logits.argmax(-1)).float().mean().item(),
+        mean_kl=kl.mean().item(),
+        max_logit_error=(reference.float() - logits.float()).abs().max().item(),
+    )
+
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+from aie_lessons.paths import DATA_DIR
+from aie_lessons.precision import agreement, teacher_forced_logits
+
+text_ids = tokenizer.encode((DATA_DIR / "prose" / "lighthouses.txt").read_text())
+reference_logits = teacher_forced_logits(model, text_ids, window=256)
+bf16_variants = {
+    "bf16 weights, bf16 activations": LlamaModel.from_pretrained(MODEL_DIR, dtype=torch.bfloat16,
+                                                                 activations=torch.bfloat16),
+    "bf16 weights, fp32 activations": LlamaModel.from_pretrained(MODEL_DIR, dtype=torch.bfloat16),
+}
+agreements = {name: agreement(reference_logits, teacher_forced_logits(variant, text_ids, window=256))
+              for name, variant in bf16_variants.items()}
+print(f"{reference_logits.shape[0]} positions of real text; largest fp32 logit "
+      f"{reference_logits.abs().max().item():.1f}")
+print(f"{'':32} {'top-1 = fp32':>12} {'mean KL':>10} {'max |Δlogit|':>13}")
+for name, a in agreements.items():
+    print(f"{name:32} {a.top1:>12.2%} {a.mean_kl:>10.1e} {a.max_logit_error:>13.2f}")
+del reference_logits
+
+# %% [markdown]
+# The figures depend a little on the processor (each CPU family rounds bf16 products in its
+# own order), the verdict does not:
+
+# %%
+bf16_act, fp32_act = agreements.values()
+print("at least 1,000 positions compared:", fp32_act.positions >= 1000)
+print("fp32 activations agree more often on the best token:", fp32_act.top1 > bf16_act.top1)
+print("and their mean KL is at least 5x smaller:", 5 * fp32_act.mean_kl < bf16_act.mean_kl)
+
+# %% [markdown]
+# What the choice costs in speed, measured side by side (the same 256-token prompt, then 16
+# decode steps with the cache, three rounds, the median):
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+import statistics
+
+speed_models = {"fp32": model, **bf16_variants}
+prefill_speed: dict[str, list[float]] = {name: [] for name in speed_models}
+decode_speed: dict[str, list[float]] = {name: [] for name in speed_models}
+prompt_256 = torch.tensor([text_ids[:256]])
+with torch.inference_mode():
+    for _ in range(3):
+        for name, variant in speed_models.items():
+            cache = KVCache(config, 1, 256 + 16, dtype=variant.embed_tokens.weight.dtype)
+            start = time.perf_counter()
+            logits = variant(prompt_256, cache=cache, last_position_only=True)
+            prefill_speed[name].append(256 / (time.perf_counter() - start))
+            start = time.perf_counter()
+            for _ in range(16):
+                logits = variant(logits.argmax(-1), cache=cache)
+            decode_speed[name].append(16 / (time.perf_counter() - start))
+print(f"{'':32} {'prefill tok/s':>14} {'eager decode tok/s':>19}")
+for name in speed_models:
+    print(f"{name:32} {statistics.median(prefill_speed[name]):>14.0f} "
+          f"{statistics.median(decode_speed[name]):>19.1f}")
+del bf16_variants, speed_models
+
+# %% [markdown]
+# On the course machine (an Intel Xeon with AMX) bf16 activations made the prefill about 2.4×
+# faster than fp32, and fp32 activations brought it back to fp32's speed; eagerly, neither
+# bf16 variant decodes faster than fp32 — each `F.linear` at one token is a BLAS call that
+# does not stream bf16 faster, and fp32 activations add the upcast. The bytes pay off only
+# in the compiled decoder, which reads bf16 and computes in fp32 in one loop:
+# `benchmarks/decode.py` measures it at about 1.7× fp32.
+#
+# So the course keeps **fp32 activations** as the default: on real text they agreed with
+# fp32 several times more often where bf16 activations did not, for a tenth of the KL, and
+# the speed that bf16 is for — decoding — comes from the bytes, not from bf16 arithmetic.
+# `activations=torch.bfloat16` remains one argument away for a long prompt on a CPU with
+# AMX, or on a GPU, where bf16 arithmetic is the fast path.
+#
 # ## Summary
 #
 # | piece | what it does |
@@ -800,3 +948,4 @@ for name, result in speed.items():
 # | `next_positions` | RoPE positions count real tokens, cache columns count all |
 # | `generate_cached` | prefill once, then one token per step |
 # | `FastDecoder` | batch-1 decode with fused weights and a compiled step (`fast_decode`) |
+# | `teacher_forced_logits`, `agreement` | a low-precision model against fp32 on real text (`precision`) |
