@@ -42,6 +42,8 @@ def _generate(args: argparse.Namespace) -> int:
 
     if args.no_cache and args.compile:
         raise SystemExit("aie generate: --no-cache and --compile exclude each other: pick one loop")
+    if args.compile and args.activations != "float32":
+        raise SystemExit("aie generate: --compile computes in float32: drop --activations bfloat16")
     if args.no_cache:  # stage 01's skeleton loop: recomputes the whole sequence every step
         result = generate(model, tokenizer, prompt_ids, params, on_text=None if args.json else stream)
     elif args.compile:  # stage 04's fused, compiled decode step

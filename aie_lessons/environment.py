@@ -18,7 +18,7 @@ from aie_lessons.paths import default_model_dir
 CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile", "neon", "asimd")
 # Which instructions multiply bf16 here. Each family rounds and sums bf16 products in its own
 # order, so bf16 results (and speed) differ between, say, AMD Zen 4 and Intel Xeon with AMX.
-BF16_UNITS = (("amx_bf16", "AMX-BF16 tiles"), ("avx512_bf16", "AVX-512 BF16"))
+BF16_UNITS = (("amx_bf16", "AMX-BF16 tiles"), ("avx512_bf16", "AVX-512 BF16"), ("bf16", "Arm BF16"))
 
 
 def _version(package: str) -> str | None:
@@ -52,6 +52,13 @@ def cpu_facts() -> dict[str, object]:
         total_kib = int(meminfo.read_text().split("MemTotal:")[1].split()[0])
         facts["memory_gb"] = round(total_kib / 2**20, 1)
     return facts
+
+
+def bf16_line(cpu: dict[str, object]) -> str:
+    """Which instructions multiply bf16 here, as ``cpu_facts`` found them."""
+    if "bf16" not in cpu:
+        return "unknown (no /proc/cpuinfo to read)"
+    return " and ".join(cpu["bf16"]) or "no bf16 instructions: bf16 is converted to fp32"
 
 
 def triton_status() -> tuple[bool, str]:
@@ -98,7 +105,7 @@ def environment_report() -> str:
     rows[3:3] = [
         ("cpu", f"{cpu['model']} ({cpu.get('vendor', 'vendor unknown')}, {cpu['cores']} logical cores)"),
         ("cpu features", ", ".join(cpu.get("features", [])) or "none detected"),
-        ("bf16 arithmetic", " and ".join(cpu.get("bf16", [])) or "no bf16 instructions: bf16 is converted to fp32"),
+        ("bf16 arithmetic", bf16_line(cpu)),
         ("memory", f"{cpu.get('memory_gb', '?')} GB"),
     ]
     rows.append(("triton", ("available: " if triton_ok else "unavailable: ") + triton_why))

@@ -255,6 +255,10 @@ class FastDecoder:
     def __init__(self, model: LlamaModel, compile: bool = True, layers_per_call: int = 5):
         if layers_per_call < 1:
             raise ValueError(f"layers_per_call must be at least 1, got {layers_per_call}")
+        if model.activations != torch.float32:
+            raise ValueError(f"the fused step computes in fp32, but this model's activations are "
+                             f"{model.activations}: its prefill would differ from its decode. Fix: "
+                             "load the model with activations=torch.float32 (the default)")
         self.layers_per_call = layers_per_call
         self.model = model
         self.block = pack_weights(model)

@@ -86,8 +86,9 @@ class Linear(nn.Linear):
 
     Storage and arithmetic are separate choices: bf16 weights halve the bytes every token reads,
     while fp32 activations keep the results close to the fp32 model (stage 04 measures both).
-    A lower-precision weight is upcast ``UPCAST_ROWS`` rows at a time, so each fp32 block is
-    used while it is still in the CPU's cache rather than written out to memory and read back.
+    A weight stored in another dtype is converted ``UPCAST_ROWS`` rows at a time, never as a
+    whole: for the 49152-row output head at one token that took 6 ms on the course machine,
+    against 33 ms for converting the whole matrix at once (and 4 ms for an fp32 weight).
     """
 
     UPCAST_ROWS = 1024
@@ -100,7 +101,8 @@ class Linear(nn.Linear):
         out = torch.empty(weight.shape[0], flat.shape[0], dtype=x.dtype, device=x.device)
         for start in range(0, weight.shape[0], self.UPCAST_ROWS):
             rows = weight[start:start + self.UPCAST_ROWS]
-            torch.mm(rows.to(x.dtype), flat.T, out=out[start:start + rows.shape[0]])
+            # Assigned, not mm(out=...), which autograd refuses when the weights require grad.
+            out[start:start + rows.shape[0]] = rows.to(x.dtype) @ flat.T
         out = out.T.reshape(*x.shape[:-1], weight.shape[0])
         return out if bias is None else out + bias
 
@@ -136,7 +138,7 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:  # stage 04: store the new keys/values, attend to all kept so far
             k, v = cache.update(self.layer_index, k, v)  # (B, Hkv, T, D), in the cache's dtype
-            k, v = k.to(q.dtype), v.to(q.dtype)
+            k, v = k.to(q.dtype), v.to(q.dtype)  # a bf16 cache, fp32 activations: a copy per step
         out = ATTENTION_BACKENDS[self.backend](q, k, v, mask=mask)  # (B, Hq, S, D)
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq, hq * d))
 
@@ -178,6 +180,8 @@ class LlamaModel(nn.Module):
 
     def __init__(self, config: ModelConfig, attention: str = "sdpa", activations: torch.dtype = torch.float32):
         super().__init__()
+        if activations not in (torch.float32, torch.bfloat16, torch.float16):
+            raise ValueError(f"activations must be torch.float32, torch.bfloat16 or torch.float16, got {activations!r}")
         self.config = config
         self.activations = activations
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)

@@ -33,7 +33,7 @@ def teacher_forced_logits(model: LlamaModel, ids: list[int], window: int) -> tor
         raise ValueError(f"{len(ids)} tokens do not fill one window of {window}: use a longer text")
     device = model.embed_tokens.weight.device
     windows = [ids[i:i + window] for i in range(0, len(ids) - window + 1, window)]
-    return torch.cat([model(torch.tensor([w], device=device))[0].float() for w in windows])
+    return torch.cat([model(torch.tensor([w], device=device))[0] for w in windows])
 
 
 def agreement(reference: torch.Tensor, logits: torch.Tensor) -> Agreement:

@@ -41,10 +41,10 @@
 # which fast kernels PyTorch can use, and the memory size decides how large a batch fits.
 # Triton, used in stage 05, needs Linux; on a machine without a GPU it runs in an interpreter.
 # The vendor and the *bf16 arithmetic* line matter too: AMD's Zen 4 multiplies bf16 with
-# AVX-512 BF16, Intel's Xeons also with AMX tiles, and each rounds and sums in its own order.
-# So bf16 results differ slightly from one machine to the next (and fp32 ones in the last
-# digits): the course compares them with tolerances, never digit for digit (stage 04 measures
-# how far bf16 is from fp32).
+# AVX-512 BF16, recent Intel Xeons (Sapphire Rapids on) also with AMX tiles, and each kernel
+# sums in its own order. So low-precision results differ slightly from one machine to the
+# next, and fp32 ones in the last digits: the course compares them with tolerances, never
+# digit for digit (stage 04 measures how far bf16 is from fp32).
 
 # %%
 # NBVAL_IGNORE_OUTPUT

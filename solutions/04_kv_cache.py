@@ -664,6 +664,10 @@ class FastDecoder:
     def __init__(self, model: LlamaModel, compile: bool = True, layers_per_call: int = 5):
         if layers_per_call < 1:
             raise ValueError(f"layers_per_call must be at least 1, got {layers_per_call}")
+        if model.activations != torch.float32:
+            raise ValueError(f"the fused step computes in fp32, but this model's activations are "
+                             f"{model.activations}: its prefill would differ from its decode. Fix: "
+                             "load the model with activations=torch.float32 (the default)")
         self.layers_per_call = layers_per_call
         self.model = model
         self.block = pack_weights(model)
@@ -848,7 +852,7 @@ def teacher_forced_logits(model: LlamaModel, ids: list[int], window: int) -> tor
         raise ValueError(f"{len(ids)} tokens do not fill one window of {window}: use a longer text")
     device = model.embed_tokens.weight.device
     windows = [ids[i:i + window] for i in range(0, len(ids) - window + 1, window)]
-    return torch.cat([model(torch.tensor([w], device=device))[0].float() for w in windows])
+    return torch.cat([model(torch.tensor([w], device=device))[0] for w in windows])
 
 
 def agreement(reference: torch.Tensor, logits: torch.Tensor) -> Agreement:
@@ -884,6 +888,9 @@ print(f"{reference_logits.shape[0]} positions of real text; largest fp32 logit "
 print(f"{'':32} {'top-1 = fp32':>12} {'mean KL':>10} {'max |Δlogit|':>13}")
 for name, a in agreements.items():
     print(f"{name:32} {a.top1:>12.2%} {a.mean_kl:>10.1e} {a.max_logit_error:>13.2f}")
+bf16_act, fp32_act = agreements.values()
+print(f"fp32 activations: {(1 - bf16_act.top1) / (1 - fp32_act.top1):.1f}x fewer positions with "
+      f"another best token, {bf16_act.mean_kl / fp32_act.mean_kl:.0f}x smaller mean KL")
 del reference_logits
 
 # %% [markdown]
@@ -891,7 +898,6 @@ del reference_logits
 # own order), the verdict does not:
 
 # %%
-bf16_act, fp32_act = agreements.values()
 print("at least 1,000 positions compared:", fp32_act.positions >= 1000)
 print("fp32 activations agree more often on the best token:", fp32_act.top1 > bf16_act.top1)
 print("and their mean KL is at least 5x smaller:", 5 * fp32_act.mean_kl < bf16_act.mean_kl)
@@ -919,25 +925,27 @@ with torch.inference_mode():
             for _ in range(16):
                 logits = variant(logits.argmax(-1), cache=cache)
             decode_speed[name].append(16 / (time.perf_counter() - start))
-print(f"{'':32} {'prefill tok/s':>14} {'eager decode tok/s':>19}")
+print(f"{'':32} {'prefill tok/s':>14} {'× fp32':>7} {'eager decode tok/s':>19}")
 for name in speed_models:
-    print(f"{name:32} {statistics.median(prefill_speed[name]):>14.0f} "
+    prefill = statistics.median(prefill_speed[name])
+    print(f"{name:32} {prefill:>14.0f} {prefill / statistics.median(prefill_speed['fp32']):>7.1f} "
           f"{statistics.median(decode_speed[name]):>19.1f}")
 del bf16_variants, speed_models
 
 # %% [markdown]
 # On the course machine (an Intel Xeon with AMX) bf16 activations made the prefill about 2.4×
-# faster than fp32, and fp32 activations brought it back to fp32's speed; eagerly, neither
-# bf16 variant decodes faster than fp32 — each `F.linear` at one token is a BLAS call that
-# does not stream bf16 faster, and fp32 activations add the upcast. The bytes pay off only
-# in the compiled decoder, which reads bf16 and computes in fp32 in one loop:
-# `benchmarks/decode.py` measures it at about 1.7× fp32.
+# as fast as fp32, and fp32 activations kept it at fp32's speed; eagerly, neither bf16 variant
+# decoded faster than fp32 — at one token each `F.linear` is a BLAS call that gains nothing
+# from bf16 weights, and fp32 activations add the conversion. The bytes pay off in the
+# compiled decoder, which reads bf16 and computes in fp32 in one loop: `benchmarks/decode.py`
+# measures it at about 1.7× fp32.
 #
-# So the course keeps **fp32 activations** as the default: on real text they agreed with
-# fp32 several times more often where bf16 activations did not, for a tenth of the KL, and
-# the speed that bf16 is for — decoding — comes from the bytes, not from bf16 arithmetic.
-# `activations=torch.bfloat16` remains one argument away for a long prompt on a CPU with
-# AMX, or on a GPU, where bf16 arithmetic is the fast path.
+# So the course keeps **fp32 activations** as the default: on real text they had three times
+# fewer positions with a different best token than bf16 activations, and a tenth of the KL,
+# and the speed bf16 is for — decoding — comes from the bytes, not from bf16 arithmetic. The
+# price is the prefill's speed on CPUs with bf16 instructions. `activations=torch.bfloat16`
+# stays one argument away, for long prompts on such a CPU, or on a GPU, where bf16 arithmetic
+# is the fast path.
 #
 # ## Summary
 #

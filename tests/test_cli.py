@@ -48,6 +48,15 @@ def test_env_reports_torch_and_triton():
     out = run("env")
     assert out.returncode == 0
     assert "torch" in out.stdout and "triton" in out.stdout
+    assert "bf16 arithmetic" in out.stdout  # bf16 results depend on the CPU family: say which
+
+
+def test_bf16_weights_with_either_activation_dtype(tiny_dir):
+    args = ("generate", "The quick", "--model", str(tiny_dir), "--max-new-tokens", "4", "--json", "--dtype", "bfloat16")
+    for activations in ("float32", "bfloat16"):
+        out = run(*args, "--activations", activations)
+        assert out.returncode == 0, out.stderr
+        assert len(json.loads(out.stdout)["token_ids"]) == 4
 
 
 @pytest.mark.oracle
@@ -68,3 +77,8 @@ def test_cached_uncached_and_compiled_generation_agree(tiny_dir):
 def test_no_cache_and_compile_are_refused_together(tiny_dir):
     out = run("generate", "x", "--model", str(tiny_dir), "--no-cache", "--compile")
     assert out.returncode != 0 and "exclude each other" in out.stderr
+
+
+def test_compile_with_bf16_activations_is_refused(tiny_dir):
+    out = run("generate", "x", "--model", str(tiny_dir), "--compile", "--activations", "bfloat16")
+    assert out.returncode != 0 and "--compile computes in float32" in out.stderr
