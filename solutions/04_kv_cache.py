@@ -809,9 +809,26 @@ for name, result in speed.items():
 #   them stays fp32 (`Linear` upcasts a block of weight rows at a time). This is what the
 #   compiled decoder above does, and `LlamaModel`'s default.
 #
-# Either way the **logits leave the model in fp32**: rounded to bf16, two candidates 0.09
-# apart can both become exactly 25.0, and argmax then picks the lower id, whatever the model
-# meant. How much each choice changes the model is measured, not guessed: run fp32 and both
+# Either way the **logits leave the model in fp32**. Here is why, on the first answer token
+# of stage 00's question:
+
+# %%
+with torch.inference_mode():
+    first = model(torch.tensor([tokenizer.encode_chat("What is the capital of France?")]),
+                  last_position_only=True)[0, -1]
+best = first.topk(2)
+print("best two first tokens:", [tokenizer.decode([i]) for i in best.indices.tolist()])
+print(f"fp32 logits {best.values[0]:.1f} and {best.values[1]:.1f}: "
+      f"{best.values[0] - best.values[1]:.2f} apart")
+print("every bf16 number from 25 to 26:", sorted(set(torch.linspace(25, 26, 257).bfloat16().tolist())))
+
+# %% [markdown]
+# The two candidates are closer than one bf16 step. Rounded to bf16 they can land on the same
+# number — a tie, which argmax breaks toward the lower token id, whatever the model meant — and
+# any error in the hidden states can swap them. So the output head takes fp32 input and
+# returns fp32 logits, whatever the weights are stored in; sampling only ever sees fp32.
+#
+# How much each choice of activations changes the model is measured, not guessed: run fp32 and both
 # bf16 variants over real text — the essay shipped in `data/prose/` — in windows of 256
 # tokens, each position predicting the next (teacher forcing), and compare every position's
 # distribution with fp32's: how often the best token is the same (top-1 agreement), the mean
@@ -855,10 +872,21 @@ def teacher_forced_logits(model: LlamaModel, ids: list[int], window: int) -> tor
     return torch.cat([model(torch.tensor([w], device=device))[0] for w in windows])
 
 
+# %% [markdown]
+# ### Exercise 4.3 — agreement with fp32
+#
+# Given two models' logits at the same positions, `(positions, vocab)` each, say how far apart
+# their predictions are: how often they rank the same token first, the KL divergence from the
+# reference's next-token distribution to the model's (one number per position, averaged), and
+# the largest logit difference anywhere. Stage 08 will judge quantized weights with it too.
+
+# %%
+# export: precision
 def agreement(reference: torch.Tensor, logits: torch.Tensor) -> Agreement:
     """Compare ``logits`` with ``reference`` logits, both (positions, vocab)."""
     if reference.shape != logits.shape:
         raise ValueError(f"shapes differ: reference {tuple(reference.shape)}, logits {tuple(logits.shape)}")
+    # BEGIN EXERCISE 4.3: at every position compare the two next-token predictions; return an Agreement with the fraction of positions whose best token is the same, KL(reference ‖ model) averaged over positions, and the largest |logit difference|, as Python floats | Hint: KL(p ‖ q) = Σ over the vocabulary of p · (log p − log q), with p the reference's probabilities; log-probabilities come stably from log_softmax, and a shift shared by all logits must not change them.
     log_p, log_q = reference.float().log_softmax(-1), logits.float().log_softmax(-1)
     kl = (log_p.exp() * (log_p - log_q)).sum(-1)
     return Agreement(
@@ -867,6 +895,12 @@ def agreement(reference: torch.Tensor, logits: torch.Tensor) -> Agreement:
         mean_kl=kl.mean().item(),
         max_logit_error=(reference.float() - logits.float()).abs().max().item(),
     )
+    # END EXERCISE 4.3
+
+
+# %%
+# Check exercise 4.3
+checks.stage04.check_agreement(agreement)
 
 
 # %%

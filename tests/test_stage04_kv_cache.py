@@ -12,6 +12,7 @@ from aie_lessons.generate import ContextLengthError, SamplingParams, generate
 from aie_lessons.kv_cache import CacheFullError, KVCache, kv_cache_bytes
 from aie_lessons.model import LlamaModel
 from aie_lessons.padded_batch import generate_batch
+from aie_lessons.precision import Agreement, agreement
 from aie_lessons.tokenizer import Tokenizer
 
 from check_expect import names_the_mistake
@@ -163,6 +164,42 @@ def test_next_positions_check_names_the_mistake(wrong, message):
         checks.check_next_positions(wrong)
 
 
+def agreement_with(kl=None, top1=None, max_error=None, floats=True):
+    """A wrong ``agreement``: the reference one with one quantity computed the wrong way."""
+
+    def wrong(reference, logits):
+        log_p, log_q = reference.log_softmax(-1), logits.log_softmax(-1)
+        values = {
+            "top1": (reference.argmax(-1) == logits.argmax(-1)).float().mean(),
+            "mean_kl": (log_p.exp() * (log_p - log_q)).sum(-1).mean(),
+            "max_logit_error": (reference - logits).abs().max(),
+        }
+        for name, fn in (("mean_kl", kl), ("top1", top1), ("max_logit_error", max_error)):
+            if fn is not None:
+                values[name] = fn(reference, logits, log_p, log_q)
+        values = {k: v.item() if floats else v for k, v in values.items()}
+        return Agreement(positions=reference.shape[0], **values)
+
+    return wrong
+
+
+@pytest.mark.parametrize("wrong, message", [
+    (agreement_with(kl=lambda r, l, log_p, log_q: (log_q.exp() * (log_q - log_p)).sum(-1).mean()),
+     r"KL\(model ‖ reference\)"),
+    (agreement_with(kl=lambda r, l, log_p, log_q: (log_p.exp() * (log_p - log_q)).sum()), "summed over positions"),
+    (agreement_with(kl=lambda r, l, log_p, log_q: (log_p.exp() * (log_p - log_q)).mean()), "averaged over the vocabulary"),
+    (agreement_with(kl=lambda r, l, log_p, log_q: (r.softmax(-1) * (r - l)).sum(-1).mean()), "raw logits"),
+    (agreement_with(top1=lambda r, l, *_: (r.argmax(-1) == l.argmax(-1)).sum().float()), "count of positions"),
+    (agreement_with(top1=lambda r, l, *_: (r.argmax(0) == l.argmax(0)).float().mean()), "last axis"),
+    (agreement_with(max_error=lambda r, l, *_: (r - l).abs().mean()), "mean |logit difference|"),
+    (agreement_with(floats=False), "return Python floats"),
+])
+def test_agreement_check_names_the_mistake(wrong, message):
+    with names_the_mistake("4.3", message):
+        checks.check_agreement(wrong)
+
+
 def test_reference_implementations_pass(tiny_dir):
     checks.check_kv_cache(KVCache, ModelConfig.from_json(tiny_dir))
     checks.check_next_positions(next_positions)
+    checks.check_agreement(agreement)

@@ -53,3 +53,59 @@ def check_next_positions(next_positions) -> None:
     if got.tolist() != [[4], [2]]:
         fail("4.2", f"expected [[4], [2]], got {got.tolist()}")
     passed("4.2", "RoPE positions count real tokens; cache columns count all")
+
+
+# --- 4.3 agreement with fp32 ------------------------------------------------------------------
+def _kl(p_logits: torch.Tensor, q_logits: torch.Tensor) -> torch.Tensor:
+    """KL(p ‖ q) per position, in float64, from logits (positions, vocab)."""
+    log_p, log_q = p_logits.double().log_softmax(-1), q_logits.double().log_softmax(-1)
+    return (log_p.exp() * (log_p - log_q)).sum(-1)
+
+
+def check_agreement(agreement) -> None:
+    g = torch.Generator().manual_seed(43)
+    positions, vocab = 6, 50
+    reference = torch.randn(positions, vocab, generator=g) * 3
+    logits = reference + torch.randn(positions, vocab, generator=g)  # a noisy copy: some top-1 flips
+    got = call("4.3", agreement, reference, logits)
+    for field in ("top1", "mean_kl", "max_logit_error"):
+        if not isinstance(getattr(got, field), float):
+            fail("4.3", f"{field} is a {type(getattr(got, field)).__name__}: return Python floats "
+                        "(.item()), which print, compare and average like numbers")
+    if got.positions != positions:
+        fail("4.3", f"positions should be {positions}, the number of rows compared, got {got.positions}")
+
+    shifted = call("4.3", agreement, reference, reference + 3.0)
+    if abs(shifted.mean_kl) > 1e-5:
+        fail("4.3", f"adding 3 to every logit changes no probability, yet your KL is {shifted.mean_kl:.3g}: "
+                    "compute it from log-probabilities (log_softmax), not from raw logits")
+    if shifted.top1 < 1.0:
+        fail("4.3", "adding 3 to every logit changes no ranking, yet top1 is below 1")
+
+    same_best = (reference.argmax(-1) == logits.argmax(-1)).double()
+    if got.top1 > 1:
+        fail("4.3", f"top1 is {got.top1}: that is a count of positions; return the fraction (0 … 1)")
+    if abs(got.top1 - same_best.mean().item()) > 1e-6:
+        fail("4.3", f"top1 should be {same_best.mean().item():.4f}, got {got.top1:.4f}: compare each "
+                    "position's best token (argmax over the vocabulary, the last axis)")
+
+    kl = _kl(reference, logits)
+    expected = kl.mean().item()
+    if abs(got.mean_kl - _kl(logits, reference).mean().item()) < 1e-6 * max(1.0, expected):
+        fail("4.3", "you computed KL(model ‖ reference): KL is not symmetric; weight by the "
+                    "reference's probabilities, Σ p_ref · (log p_ref − log p_model)")
+    if abs(got.mean_kl - kl.sum().item()) < 1e-6 * kl.sum().item():
+        fail("4.3", "mean_kl is summed over positions: sum over the vocabulary, then average over positions")
+    if abs(got.mean_kl - expected / vocab) < 1e-6 * expected:
+        fail("4.3", "mean_kl is averaged over the vocabulary too: KL sums over the vocabulary "
+                    "(one number per position), then average over positions")
+    if abs(got.mean_kl - expected) > 1e-4 * expected:
+        fail("4.3", f"mean_kl should be {expected:.5f}, got {got.mean_kl:.5f}")
+
+    difference = (reference - logits).abs()
+    if abs(got.max_logit_error - difference.mean().item()) < 1e-5:
+        fail("4.3", "max_logit_error is the mean |logit difference|: take the largest one")
+    if abs(got.max_logit_error - difference.max().item()) > 1e-5:
+        fail("4.3", f"max_logit_error should be {difference.max().item():.4f}, the largest "
+                    f"|logit − reference logit| anywhere, got {got.max_logit_error:.4f}")
+    passed("4.3", "top-1 agreement, mean KL(reference ‖ model) and the largest logit error are right")
