@@ -28,11 +28,14 @@ def _generate(args: argparse.Namespace) -> int:
     from aie_lessons.paths import default_model_dir
     from aie_lessons.tokenizer import Tokenizer
 
+    if args.no_cache and args.compile:
+        raise SystemExit("aie generate: --no-cache and --compile exclude each other: pick one loop")
+    if args.compile and args.activations != "float32":
+        raise SystemExit("aie generate: --compile computes in float32: drop --activations bfloat16")
     model_dir = Path(args.model) if args.model else default_model_dir()
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
     tokenizer = Tokenizer.from_pretrained(model_dir)
-    activations = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.activations]
-    model = LlamaModel.from_pretrained(model_dir, dtype=dtype, device=args.device, activations=activations)
+    model = LlamaModel.from_pretrained(model_dir, dtype=getattr(torch, args.dtype), device=args.device,
+                                       activations=getattr(torch, args.activations))
     prompt_ids = tokenizer.encode_chat(args.prompt) if args.chat else tokenizer.encode(args.prompt)
     params = SamplingParams(max_new_tokens=args.max_new_tokens, stop=tuple(args.stop or ()))
 
@@ -40,10 +43,6 @@ def _generate(args: argparse.Namespace) -> int:
         sys.stdout.write(text)
         sys.stdout.flush()
 
-    if args.no_cache and args.compile:
-        raise SystemExit("aie generate: --no-cache and --compile exclude each other: pick one loop")
-    if args.compile and args.activations != "float32":
-        raise SystemExit("aie generate: --compile computes in float32: drop --activations bfloat16")
     if args.no_cache:  # stage 01's skeleton loop: recomputes the whole sequence every step
         result = generate(model, tokenizer, prompt_ids, params, on_text=None if args.json else stream)
     elif args.compile:  # stage 04's fused, compiled decode step

@@ -187,7 +187,7 @@ def test_too_long_request_is_refused_with_the_numbers(tiny):
 
 
 # Chat prompts whose greedy answers run 32 tokens, with the most steps decisive for bf16: a small
-# model's answers soon reach a near-tie (the France question's first token is one, by 0.09).
+# model's answers soon reach a near-tie (the France question's first token is one, by 0.08).
 BF16_PROMPTS = (
     "Write a haiku about autumn leaves falling on a quiet river.",
     "Name the planets of the solar system in order.",

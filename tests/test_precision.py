@@ -56,9 +56,11 @@ def test_bf16_model_returns_fp32_logits_and_computes_in_the_chosen_dtype(tiny_un
         assert logits.dtype == torch.float32
         # Not bf16 values in fp32 clothing: bf16-rounded logits would tie where fp32 ones do not.
         assert not torch.equal(logits, logits.bfloat16().float())
-        errors[activations] = ((logits - reference).abs() / scale).max().item()
-    assert errors[torch.float32] <= logit_tolerance(torch.bfloat16, 1.0)  # the measured bound
-    assert errors[torch.float32] < errors[torch.bfloat16]  # rounding only what is stored is closer
+        errors[activations] = (logits - reference).abs() / scale
+    assert errors[torch.float32].max() <= logit_tolerance(torch.bfloat16, 1.0)  # the measured bound
+    # Rounding only what is stored is closer. Means, not maxima: the mean of 19 × 2 × vocab errors
+    # barely depends on how a CPU rounds (here 0.13 eps against 0.21 eps with bf16 activations).
+    assert errors[torch.float32].mean() < errors[torch.bfloat16].mean()
 
 
 def test_activations_must_be_a_float_dtype(tiny_dir):
@@ -124,7 +126,7 @@ def test_teacher_forced_logits_run_whole_windows_from_position_zero(tiny_dir):
 
 def test_decisive_steps_stop_at_the_first_near_tie():
     logits = torch.tensor([[25.0, 20.0, 0.0], [25.0, 24.0, 0.0], [25.33, 25.24, 0.0], [30.0, 1.0, 0.0]])
-    assert margin_tolerance(torch.bfloat16, 25.33) > 0.09  # the near-tie of the France question
+    assert margin_tolerance(torch.bfloat16, 25.33) > 0.09  # the France question's first token: 0.08
     assert decisive_steps(logits, torch.bfloat16) == 2
     assert decisive_steps(logits, torch.float32) == 4  # fp32 resolves a 0.09 gap
 
@@ -139,5 +141,6 @@ def test_real_model_bf16_agrees_with_fp32_on_real_text(real_model_dir):
     relative = ((logits - reference).abs().amax(-1) / reference.abs().amax(-1)).max().item()
     assert relative <= logit_tolerance(torch.bfloat16, 1.0), relative
     result = agreement(reference, logits)
-    # Measured on the whole essay: top-1 99.3%, mean KL 5.5e-5 (bf16 activations: 97.8%, 5.8e-4).
+    # Measured on these 512 positions: top-1 99.0%, mean KL 5.5e-5 (whole essay: 99.3%, 5.5e-5;
+    # bf16 activations on the whole essay: 97.8%, 5.8e-4).
     assert result.top1 >= 0.98 and result.mean_kl < 2e-4, result
