@@ -364,6 +364,11 @@ print(tokenizer.apply_chat_template([{"role": "user", "content": "What is the ca
 # touching the rest of the model. For now it is PyTorch's `scaled_dot_product_attention`. Two
 # arguments wait for later stages and stay `None` here: an attention `mask` (stage 03) and a KV
 # `cache` (stage 04).
+#
+# One more detail, for later: the projections are `Linear` layers that compute in the dtype of
+# their *input*, whatever their weights are stored in. So weights can be stored in bf16 (half
+# the bytes) while the arithmetic stays fp32 — the model's `activations`, fp32 unless you ask
+# otherwise — and the logits always leave the model in fp32. Stage 04 measures why.
 
 # %%
 # export: model
