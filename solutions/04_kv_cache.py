@@ -968,8 +968,8 @@ del bf16_variants, speed_models
 
 # %% [markdown]
 # On the course machine (an Intel Xeon with AMX) bf16 activations made the prefill about 2.4×
-# as fast as fp32, while fp32 activations ran it at 0.8× fp32 (fp32 arithmetic plus the
-# conversion of every weight block); eagerly, neither bf16 variant
+# as fast as fp32 in every run, while fp32 activations ran it at 0.7–0.9× fp32 (fp32
+# arithmetic plus the conversion of every weight block); eagerly, neither bf16 variant
 # decoded faster than fp32 — at one token each `F.linear` is a BLAS call that gains nothing
 # from bf16 weights, and fp32 activations add the conversion. The bytes pay off in the
 # compiled decoder, which reads bf16 and computes in fp32 in one loop: `benchmarks/decode.py`
