@@ -4,17 +4,22 @@
 
 from __future__ import annotations
 
-import time
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 
-from aie_lessons.generate import GenerationResult, SamplingParams, SequenceOutput, check_prompt, eos_token_ids, greedy_step
+from typing import TYPE_CHECKING
+
+from aie_lessons.generate import collect, open_streams
 from aie_lessons.kv_cache import KVCache
 from aie_lessons.masks import attention_mask
-from aie_lessons.model import LlamaModel
 from aie_lessons.padded_batch import left_pad
-from aie_lessons.tokenizer import Tokenizer
+from aie_lessons.sampling import SamplingParams, make_generator, sample_next
+
+if TYPE_CHECKING:
+    from aie_lessons.model import LlamaModel
+    from aie_lessons.output import GenerationResult
+    from aie_lessons.tokenizer import Tokenizer
 
 
 def next_positions(is_real: torch.Tensor) -> torch.Tensor:
@@ -23,26 +28,12 @@ def next_positions(is_real: torch.Tensor) -> torch.Tensor:
 
 
 @torch.inference_mode()
-def generate_cached(
-    model: LlamaModel,
-    tokenizer: Tokenizer,
-    prompts: list[list[int]],
-    params: SamplingParams = SamplingParams(),
-    on_text: Callable[[int, str], None] | None = None,
-) -> list[GenerationResult]:
-    """Greedy generation for one or more prompts with a KV cache.
-
-    ``on_text(i, text)`` streams prompt ``i``'s text as it is produced.
-    """
-    for prompt in prompts:
-        check_prompt(prompt, params, model)
+def cached_steps(model: LlamaModel, prompts: list[list[int]], params: SamplingParams) -> Iterator[list[int]]:
+    """Next tokens of every sequence: one prefill of the padded prompts, then one decode step each."""
     device = model.embed_tokens.weight.device
-    eos_ids = eos_token_ids(model, tokenizer)
-    outputs = [
-        SequenceOutput(tokenizer, p, params, eos_ids, on_text and (lambda t, i=i: on_text(i, t)))
-        for i, p in enumerate(prompts)
-    ]
-    batch = left_pad(prompts, pad_id=min(eos_ids) if eos_ids else 0, device=device)
+    generators = [make_generator(params.seed, device) for _ in prompts]
+    sequences = [list(p) for p in prompts]
+    batch = left_pad(prompts, pad_id=0, device=device)  # any id works: padding is masked out
     width = batch.input_ids.shape[1]
     cache = KVCache(model.config, len(prompts), width + params.max_new_tokens,
                     dtype=model.embed_tokens.weight.dtype, device=device)
@@ -50,20 +41,31 @@ def generate_cached(
     is_real = batch.is_real
     # Without padding, the default causal mask is the right one: no mask tensor to build.
     mask = attention_mask(is_real, width) if padded else None
-    start = time.perf_counter()
-    logits = model(batch.input_ids, batch.positions, mask, cache, last_position_only=True)
-    while True:
-        next_ids = greedy_step(logits)  # (B,)
-        elapsed = time.perf_counter() - start
-        for output, token in zip(outputs, next_ids.tolist()):
-            if not output.finished:
-                output.result.step_seconds.append(elapsed)
-                output.push(token)
-        if all(o.finished for o in outputs):
-            break
-        start = time.perf_counter()
-        positions = next_positions(is_real)
+    logits = model(batch.input_ids, batch.positions, mask, cache, cache_start=0, last_position_only=True)
+    for step in range(params.max_new_tokens):
+        tokens = sample_next(logits[:, -1], params, generators, sequences)
+        for sequence, token in zip(sequences, tokens):
+            sequence.append(token)
+        yield tokens
+        if step + 1 == params.max_new_tokens:
+            return  # the last token needs no forward pass of its own
+        positions = next_positions(is_real)  # RoPE: each sequence's own count of real tokens
         is_real = torch.cat([is_real, torch.ones_like(is_real[:, :1])], dim=1)
         mask = attention_mask(is_real, 1) if padded else None
-        logits = model(next_ids[:, None], positions, mask, cache)
-    return [o.result for o in outputs]
+        new_ids = torch.tensor(tokens, device=device)[:, None]
+        logits = model(new_ids, positions, mask, cache, cache_start=width + step)  # cache: one column for all
+
+
+def generate_cached(
+    model: LlamaModel,
+    tokenizer: Tokenizer,
+    prompts: list[list[int]],
+    params: SamplingParams = SamplingParams(),
+    on_text: Callable[[int, str], None] | None = None,
+) -> list[GenerationResult]:
+    """Generation for one or more prompts with a KV cache.
+
+    ``on_text(i, text)`` streams prompt ``i``'s text as it is produced.
+    """
+    streams = open_streams(model.config, tokenizer, prompts, params, on_text)
+    return collect(cached_steps(model, prompts, params), streams)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 
 def _fetch_model(args: argparse.Namespace) -> int:
-    from aie_lessons.model_files import fetch_course_model, install_checkpoint
+    from aie_lessons.infra.model_files import fetch_course_model, install_checkpoint
 
     if args.source:
         model_dir = install_checkpoint(Path(args.source))
@@ -19,39 +19,49 @@ def _fetch_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def _sampling_params(args: argparse.Namespace):
+    from aie_lessons.sampling import SamplingParams
+
+    return SamplingParams(
+        max_new_tokens=args.max_new_tokens, stop=tuple(args.stop or ()), temperature=args.temperature,
+        top_k=args.top_k, top_p=args.top_p, repetition_penalty=args.repetition_penalty, seed=args.seed,
+    )
+
+
 def _generate(args: argparse.Namespace) -> int:
     import torch
 
-    from aie_lessons.cached_generate import generate_cached
-    from aie_lessons.generate import SamplingParams, generate
+    from aie_lessons.infra.paths import default_model_dir
     from aie_lessons.model import LlamaModel
-    from aie_lessons.paths import default_model_dir
     from aie_lessons.tokenizer import Tokenizer
 
-    if args.no_cache and args.compile:
-        raise SystemExit("aie generate: --no-cache and --compile exclude each other: pick one loop")
-    if args.compile and args.activations != "float32":
-        raise SystemExit("aie generate: --compile computes in float32: drop --activations bfloat16")
+    if args.loop == "compiled" and args.activations != "float32":
+        raise SystemExit("aie generate: --loop compiled computes in float32: drop --activations bfloat16")
+    params = _sampling_params(args)  # bad values are refused before the model is loaded
     model_dir = Path(args.model) if args.model else default_model_dir()
     tokenizer = Tokenizer.from_pretrained(model_dir)
     model = LlamaModel.from_pretrained(model_dir, dtype=getattr(torch, args.dtype), device=args.device,
                                        activations=getattr(torch, args.activations))
     prompt_ids = tokenizer.encode_chat(args.prompt) if args.chat else tokenizer.encode(args.prompt)
-    params = SamplingParams(max_new_tokens=args.max_new_tokens, stop=tuple(args.stop or ()))
 
     def stream(text: str) -> None:
         sys.stdout.write(text)
         sys.stdout.flush()
 
-    if args.no_cache:  # stage 01's skeleton loop: recomputes the whole sequence every step
-        result = generate(model, tokenizer, prompt_ids, params, on_text=None if args.json else stream)
-    elif args.compile:  # stage 04's fused, compiled decode step
+    on_text = None if args.json else stream
+    if args.loop == "skeleton":  # stage 01: recomputes the whole sequence every step
+        from aie_lessons.generate import generate
+
+        result = generate(model, tokenizer, prompt_ids, params, on_text=on_text)
+    elif args.loop == "compiled":  # stage 04: fused weights, compiled decode step
         from aie_lessons.fast_decode import FastDecoder
 
-        result = FastDecoder(model).generate(tokenizer, prompt_ids, params, on_text=None if args.json else stream)
-    else:
-        on_text = None if args.json else (lambda _index, text: stream(text))
-        result = generate_cached(model, tokenizer, [prompt_ids], params, on_text=on_text)[0]
+        result = FastDecoder(model).generate(tokenizer, prompt_ids, params, on_text=on_text)
+    else:  # stage 04: prefill once, then one cached step per token
+        from aie_lessons.cached_generate import generate_cached
+
+        result = generate_cached(model, tokenizer, [prompt_ids], params,
+                                 on_text=on_text and (lambda _index, text: on_text(text)))[0]
     if args.json:
         print(json.dumps({
             "prompt_ids": result.prompt_ids,
@@ -66,7 +76,7 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _env(args: argparse.Namespace) -> int:
-    from aie_lessons.environment import environment_report
+    from aie_lessons.infra.environment import environment_report
 
     print(environment_report())
     return 0
@@ -129,10 +139,15 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--max-new-tokens", type=int, default=64)
     gen.add_argument("--stop", action="append", metavar="TEXT", help="stop string (repeatable)")
     gen.add_argument("--json", action="store_true", help="print one JSON object at the end")
-    gen.add_argument("--no-cache", action="store_true",
-                     help="use stage 01's loop without a KV cache (slow: for comparison)")
-    gen.add_argument("--compile", action="store_true",
-                     help="decode with stage 04's compiled FastDecoder (compiles first: seconds)")
+    gen.add_argument("--loop", choices=["skeleton", "cached", "compiled"], default="cached",
+                     help="skeleton: stage 01, no KV cache (slow, for comparison); cached: stage 04's "
+                          "KV cache (default); compiled: stage 04's fused, compiled decoder "
+                          "(compiles first: seconds)")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    gen.add_argument("--top-k", type=int, default=0, help="keep the k best tokens (0 = all)")
+    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus: keep tokens holding p (1 = all)")
+    gen.add_argument("--repetition-penalty", type=float, default=1.0, help="> 1 discourages repeats")
+    gen.add_argument("--seed", type=int, help="seed of the sampling (same seed, same text)")
     gen.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
                      help="how the weights are stored (bfloat16 halves the bytes per token)")
     gen.add_argument("--activations", choices=["float32", "bfloat16"], default="float32",
@@ -172,15 +187,17 @@ def main(argv: list[str] | None = None) -> int:
     # Errors that the course raises carry their own fix: print them plainly, not as a traceback.
     from aie_lessons.course.grade import GradeError
     from aie_lessons.course.progress import ProgressError
-    from aie_lessons.generate import ContextLengthError
+    from aie_lessons.config import UnsupportedConfigError
+    from aie_lessons.generate import PromptError
+    from aie_lessons.infra.model_files import ModelFilesError
     from aie_lessons.kv_cache import CacheFullError
-    from aie_lessons.model_files import ModelFilesError
+    from aie_lessons.sampling import SamplingParamsError
     from aie_lessons.weights import WeightsError
 
     try:
         return args.run(args)
-    except (ContextLengthError, CacheFullError, ModelFilesError, WeightsError, FileNotFoundError,
-            ProgressError, GradeError) as exc:
+    except (PromptError, CacheFullError, ModelFilesError, WeightsError, FileNotFoundError,
+            ProgressError, GradeError, SamplingParamsError, UnsupportedConfigError) as exc:
         print(f"aie {args.command}: error: {exc}", file=sys.stderr)
         return 2
 

@@ -9,6 +9,61 @@ from dataclasses import dataclass
 from pathlib import Path
 
 
+class UnsupportedConfigError(ValueError):
+    """A checkpoint asks for an architecture feature this model does not implement."""
+
+
+# Fields of a HuggingFace config whose non-default values change the computation in ways our
+# model does not implement. Loading such a checkpoint would run and print plausible-looking
+# nonsense, so it is refused instead, naming the field.
+UNSUPPORTED_FIELDS = {
+    "attention_bias": "biases on the q/k/v/o projections",
+    "mlp_bias": "biases on the MLP projections",
+    "sliding_window": "sliding-window attention",
+    "no_rope_layers": "layers without RoPE",
+    "no_rope_layer_interval": "layers without RoPE",
+}
+SUPPORTED_ACTIVATIONS = ("silu",)
+
+
+def rope_theta_of(cfg: dict) -> float:
+    """RoPE's base frequency: newer configs nest it in ``rope_parameters``, older ones do not."""
+    nested = cfg.get("rope_parameters") or {}
+    return float(nested.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+
+
+def refuse_unsupported(cfg: dict) -> None:
+    """Raise ``UnsupportedConfigError`` naming the first field our model would silently ignore."""
+    for name, feature in UNSUPPORTED_FIELDS.items():
+        value = cfg.get(name)
+        if name == "sliding_window" and not cfg.get("use_sliding_window", True):
+            continue  # Qwen-style configs carry a window size but switch it off
+        if name == "no_rope_layers" and value and all(value):
+            continue  # SmolLM3 lists 1 for every layer that does use RoPE: all of them is fine
+        if value not in (None, False, 0, [], {}):
+            raise UnsupportedConfigError(
+                f"config.json sets {name}={value!r} ({feature}), which this Llama model does not "
+                "implement: it would load and produce wrong text. Fix: use a plain Llama-family "
+                "checkpoint (e.g. `aie fetch-model` for SmolLM2-135M)."
+            )
+    for field in ("rope_parameters", "rope_scaling"):  # the newer name, then the older
+        rope = cfg.get(field) or {}
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type != "default":
+            break
+    if rope_type != "default":
+        raise UnsupportedConfigError(
+            f"config.json sets {field}.rope_type={rope_type!r} (scaled RoPE); only plain RoPE "
+            "('default') is implemented. Fix: use a checkpoint without RoPE scaling."
+        )
+    activation = cfg.get("hidden_act", "silu")
+    if activation not in SUPPORTED_ACTIVATIONS:
+        raise UnsupportedConfigError(
+            f"config.json sets hidden_act={activation!r}; the MLP implements {SUPPORTED_ACTIVATIONS}. "
+            "Fix: use a Llama-family checkpoint."
+        )
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """Shapes and constants of a Llama-family decoder; every stage reads its sizes from here."""
@@ -28,6 +83,7 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, cfg: dict) -> "ModelConfig":
+        refuse_unsupported(cfg)
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         num_heads = cfg["num_attention_heads"]
@@ -40,7 +96,7 @@ class ModelConfig:
             num_kv_heads=cfg.get("num_key_value_heads", num_heads),
             head_dim=cfg.get("head_dim") or cfg["hidden_size"] // num_heads,
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-            rope_theta=cfg.get("rope_theta", 10000.0),
+            rope_theta=rope_theta_of(cfg),
             max_position_embeddings=cfg["max_position_embeddings"],
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
             eos_token_ids=eos_ids,

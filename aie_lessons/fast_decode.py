@@ -5,18 +5,23 @@
 from __future__ import annotations
 
 import mmap
-import time
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
-from aie_lessons.generate import GenerationResult, SamplingParams, SequenceOutput, check_prompt, eos_token_ids, greedy_step
+from typing import TYPE_CHECKING
+
+from aie_lessons.generate import check_prompt, collect, open_streams
 from aie_lessons.kv_cache import KVCache
-from aie_lessons.model import LlamaModel, rms_norm, rope_cos_sin
-from aie_lessons.tokenizer import Tokenizer
+from aie_lessons.model import rms_norm, rope_cos_sin
+from aie_lessons.sampling import SamplingParams, make_generator, sample_next
+
+if TYPE_CHECKING:
+    from aie_lessons.model import LlamaModel
+    from aie_lessons.output import GenerationResult
+    from aie_lessons.tokenizer import Tokenizer
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -33,28 +38,28 @@ def gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return F.linear(x, weight.float())
 
 
+MatVec = Callable[[torch.Tensor, Any], torch.Tensor]
+"""``matvec(x, weight)``: x (K,) fp32 times one packed matrix -> (N,) fp32. ``gemv`` for plain
+tensors; a quantized decoder (stage 08) packs its matrices differently and brings its own."""
+
+
 @dataclass
 class LayerWeights:
-    """One decoder layer's weights, projections that share an input stacked into one matrix."""
+    """One decoder layer's weights, projections that share an input stacked into one matrix.
 
-    qkv: torch.Tensor  # (Hq·D + 2·Hkv·D, hidden)
-    o: torch.Tensor  # (hidden, Hq·D)
-    gate_up: torch.Tensor  # (2·intermediate, hidden)
-    down: torch.Tensor  # (hidden, intermediate)
+    The four matrices are whatever the decoder's ``pack`` made of them and its ``matvec``
+    reads: plain tensors here, (codes, scales) pairs in a quantized decoder.
+    """
+
+    qkv: Any  # (Hq·D + 2·Hkv·D, hidden)
+    o: Any  # (hidden, Hq·D)
+    gate_up: Any  # (2·intermediate, hidden)
+    down: Any  # (hidden, intermediate)
     input_norm: torch.Tensor  # (hidden,) fp32
     post_norm: torch.Tensor  # (hidden,) fp32
 
-    def tensors(self) -> tuple[torch.Tensor, ...]:
+    def tensors(self) -> tuple[Any, ...]:
         return self.qkv, self.o, self.gate_up, self.down, self.input_norm, self.post_norm
-
-
-def back_to_back(weights: list[torch.Tensor]) -> bool:
-    """True if the contiguous ``weights`` follow one another in one block of memory, in order."""
-    return all(w.is_contiguous() for w in weights) and all(
-        after.untyped_storage().data_ptr() == before.untyped_storage().data_ptr()
-        and after.data_ptr() == before.data_ptr() + before.nbytes
-        for before, after in zip(weights, weights[1:])
-    )
 
 
 HUGE_PAGE = 2 * 2**20  # bytes in one x86-64 / arm64 huge page
@@ -77,66 +82,42 @@ def huge_page_empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
     return raw[start:start + nbytes].view(dtype)
 
 
-def decode_order(model: LlamaModel) -> list[nn.Linear]:
-    """Every matrix a decode step reads, in the order it reads them (the head last)."""
-    order = []
+def decode_groups(model: LlamaModel) -> list[list[torch.Tensor]]:
+    """Every matrix a decode step reads, in the order it reads them, grouped by shared input.
+
+    Per layer: [q, k, v], [o], [gate, up], [down]; then [the output head]. A group is read as
+    one stacked matrix: three (or two) passes over memory become one.
+    """
+    groups = []
     for layer in model.layers:
         attn, mlp = layer.self_attn, layer.mlp
-        order += [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj]
-    return order + [model.lm_head]
+        groups += [[attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight], [attn.o_proj.weight],
+                   [mlp.gate_proj.weight, mlp.up_proj.weight], [mlp.down_proj.weight]]
+    return [[w.detach() for w in group] for group in groups + [[model.lm_head.weight]]]
 
 
-def pack_weights(model: LlamaModel) -> torch.Tensor:
-    """Move every weight a decode step reads into one block, in reading order; return it.
+def pack_weights(model: LlamaModel) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Copy every matrix a decode step reads into one block, in reading order.
 
-    The model's parameters become views of the block (ties kept: the output head stays the
-    embedding), so the model works unchanged and no weight is held twice. On CPU the block
-    is in huge pages (``huge_page_empty``). A second call finds the weights already packed
-    and copies nothing. Side benefits of reading order: q/k/v and gate/up lie back to back,
-    so each pair of "one input, several outputs" projections is also one matrix.
+    Returns the block and one matrix per ``decode_groups`` group, each a view of the block.
+    On CPU the block is in huge pages (``huge_page_empty``). The model is left untouched — its
+    own weights keep serving the prefill — at the price of a second copy of the weights in
+    memory (538 MB in fp32, measured in the cell after the decoder): a decoder that re-pointed
+    the model's parameters into its block instead would change an object it was only lent.
     """
-    linears = decode_order(model)
-    weights = [linear.weight.detach() for linear in linears]
-    total = sum(w.numel() for w in weights)
-    if back_to_back(weights):
-        return weights[0].as_strided((total,), (1,))
-    first = weights[0]
+    groups = decode_groups(model)
+    total = sum(w.numel() for group in groups for w in group)
+    first = groups[0][0]
     block = (huge_page_empty(total, first.dtype) if first.device.type == "cpu"
              else torch.empty(total, dtype=first.dtype, device=first.device))
-    moved: dict[tuple[int, torch.Size], nn.Parameter] = {}  # (address, shape) finds ties
-    offset = 0
-    for w in weights:
-        part = block[offset:offset + w.numel()].view(w.shape)
-        part.copy_(w)
-        moved[w.data_ptr(), w.shape] = nn.Parameter(part, requires_grad=False)
-        offset += w.numel()
-    for module in model.modules():  # re-point every use of a moved weight, ties included
-        for name, param in list(module.named_parameters(recurse=False)):
-            if (param.data_ptr(), param.shape) in moved:
-                setattr(module, name, moved[param.data_ptr(), param.shape])
-    return block
-
-
-def joined(linears: list[nn.Linear]) -> torch.Tensor:
-    """One matrix over projections of one input whose weights lie back to back (packed)."""
-    weights = [linear.weight.detach() for linear in linears]
-    if not back_to_back(weights):
-        raise ValueError("these projections' weights are not back to back in memory: "
-                         "call pack_weights(model) first")
-    return weights[0].as_strided((sum(w.shape[0] for w in weights), weights[0].shape[1]), weights[0].stride())
-
-
-def fuse_layer_weights(layer: nn.Module) -> LayerWeights:
-    """A packed decoder layer's weights for the fused step (q/k/v and gate/up as one matrix)."""
-    attn, mlp = layer.self_attn, layer.mlp
-    return LayerWeights(
-        qkv=joined([attn.q_proj, attn.k_proj, attn.v_proj]),
-        o=attn.o_proj.weight.detach(),
-        gate_up=joined([mlp.gate_proj, mlp.up_proj]),
-        down=mlp.down_proj.weight.detach(),
-        input_norm=layer.input_layernorm.weight.detach().float(),
-        post_norm=layer.post_attention_layernorm.weight.detach().float(),
-    )
+    matrices, offset = [], 0
+    for group in groups:
+        rows, cols = sum(w.shape[0] for w in group), group[0].shape[1]
+        matrix = block[offset:offset + rows * cols].view(rows, cols)
+        torch.cat(group, out=matrix)
+        matrices.append(matrix)
+        offset += rows * cols
+    return block, matrices
 
 
 LayerInputs = tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...]]  # keys, values, weights
@@ -187,10 +168,11 @@ def decode_layer(
     keys: torch.Tensor,
     values: torch.Tensor,
     eps: float,
-    qkv: torch.Tensor,
-    o: torch.Tensor,
-    gate_up: torch.Tensor,
-    down: torch.Tensor,
+    matvec: MatVec,
+    qkv: Any,
+    o: Any,
+    gate_up: Any,
+    down: Any,
     input_norm: torch.Tensor,
     post_norm: torch.Tensor,
 ) -> tuple[torch.Tensor, Stored]:
@@ -200,32 +182,40 @@ def decode_layer(
     layer's cache, whose row ``t`` is written here, in place. Everything is looked up *inside*
     the function (``cos[t]``, ``narrow``), so after its first two calls ``torch.compile``
     treats ``t`` as a symbol and never recompiles; sizes come from the tensors' shapes, so one
-    compiled function serves every layer.
+    compiled function serves every layer. The matrices are only ever handed to ``matvec``.
     """
-    head_dim, q_size = cos.shape[-1], o.shape[1]
-    kv_size = (qkv.shape[0] - q_size) // 2
+    head_dim = cos.shape[-1]
+    kv_size = keys.shape[0] * head_dim
     normed = rms_norm(x, input_norm, eps)
-    q, k, v = gemv(normed, qkv).split([q_size, kv_size, kv_size])
+    projected = matvec(normed, qkv)
+    q, k, v = projected.split([projected.shape[0] - 2 * kv_size, kv_size, kv_size])
     cos, sin = cos[t], sin[t]
     q = rope_one_token(q.view(-1, head_dim), cos, sin)  # (Hq, D)
     k = rope_one_token(k.view(-1, head_dim), cos, sin)
     keys.narrow(1, t, 1).copy_(k.view(-1, 1, head_dim))
     values.narrow(1, t, 1).copy_(v.view(-1, 1, head_dim))
     attended = decode_attention(q, keys.narrow(1, 0, t + 1), values.narrow(1, 0, t + 1))
-    x = x + gemv(attended.reshape(q_size), o)
+    x = x + matvec(attended.reshape(-1), o)
     normed_mid = rms_norm(x, post_norm, eps)
-    gate, up = gemv(normed_mid, gate_up).chunk(2)
-    return x + gemv(F.silu(gate) * up, down), (normed, normed_mid)
+    gate, up = matvec(normed_mid, gate_up).chunk(2)
+    return x + matvec(F.silu(gate) * up, down), (normed, normed_mid)
 
 
-def decode_head(x: torch.Tensor, norm: torch.Tensor, eps: float, head: torch.Tensor) -> tuple[torch.Tensor, Stored]:
-    """The greedy next token (a 0-d tensor): final norm, output head and argmax in one place."""
+def decode_head(
+    x: torch.Tensor, norm: torch.Tensor, eps: float, head: Any, matvec: MatVec, greedy: bool
+) -> tuple[torch.Tensor, Stored]:
+    """Final norm and output head: the greedy next token (0-d) if ``greedy``, else the logits.
+
+    Greedy decoding fuses the argmax in, so the 49152 logits never leave the compiled code.
+    """
     normed = rms_norm(x, norm, eps)
-    return gemv(normed, head).argmax(), (normed,)
+    logits = matvec(normed, head)
+    return (logits.argmax() if greedy else logits), (normed,)
 
 
 def decode_layers(
-    x: torch.Tensor, t: int, cos: torch.Tensor, sin: torch.Tensor, eps: float, layers: list[LayerInputs]
+    x: torch.Tensor, t: int, cos: torch.Tensor, sin: torch.Tensor, eps: float, matvec: MatVec,
+    layers: list[LayerInputs],
 ) -> tuple[torch.Tensor, Stored]:
     """``decode_layer`` over a few consecutive layers in one call: x after them, and ``Stored``.
 
@@ -236,20 +226,24 @@ def decode_layers(
     """
     stored: Stored = ()
     for keys, values, weights in layers:
-        x, more = decode_layer(x, t, cos, sin, keys, values, eps, *weights)
+        x, more = decode_layer(x, t, cos, sin, keys, values, eps, matvec, *weights)
         stored += more
     return x, stored
 
 
 class FastDecoder:
-    """Greedy batch-1 generation: the ordinary model for the prefill, a fused step to decode.
+    """Batch-1 generation: the ordinary model for the prefill, a fused step to decode.
 
     With ``compile=True`` (the point of it) the first request compiles ``decode_layers`` and
     ``decode_head`` with ``torch.compile``: about twenty seconds per dtype on the course
     machine, and a C++ compiler on CPU. ``compile=False`` runs the same fused step eagerly.
     ``layers_per_call`` trades that compile time for speed: on the course machine five made
-    the bf16 step 6% faster than one. Building a decoder packs the model's weights into one
-    block in reading order (``pack_weights``: same values, the parameters become its views).
+    the bf16 step 6% faster than one. Building a decoder copies the model's weights into one
+    block in reading order (``pack_weights``); the model itself is not changed.
+
+    Two methods are meant to be overridden, so that a later stage can decode with other
+    weights without editing this one: ``pack`` (how the matrices are stored) and ``matvec``
+    (how a vector is multiplied by one of them).
     """
 
     def __init__(self, model: LlamaModel, compile: bool = True, layers_per_call: int = 5):
@@ -261,17 +255,31 @@ class FastDecoder:
                              "load the model with activations=torch.float32 (the default)")
         self.layers_per_call = layers_per_call
         self.model = model
-        self.block = pack_weights(model)
-        self.layers = [fuse_layer_weights(layer) for layer in model.layers]
+        matrices = self.pack(model)
+        self.layers = [
+            LayerWeights(*matrices[4 * i:4 * i + 4], layer.input_layernorm.weight.detach().float(),
+                         layer.post_attention_layernorm.weight.detach().float())
+            for i, layer in enumerate(model.layers)
+        ]
+        self.head = matrices[-1]
         self.embed = model.embed_tokens.weight.detach()
         self.final_norm = model.norm.weight.detach().float()
-        self.head = model.lm_head.weight.detach()
         self.eps = model.config.rms_norm_eps
         # Inductor's Python wrapper re-checks every input's size and stride on each call, after
         # dynamo's guards have checked them to pick the compiled code: ~2% of the step, skipped.
         options = {"size_asserts": False}
         self.decode_layers = torch.compile(decode_layers, options=options) if compile else decode_layers
         self.decode_head = torch.compile(decode_head, options=options) if compile else decode_head
+
+    def pack(self, model: LlamaModel) -> list[Any]:
+        """The matrices of ``decode_groups(model)``, in that order, as ``matvec`` will read them."""
+        self.block, matrices = pack_weights(model)
+        return matrices
+
+    @staticmethod
+    def matvec(x: torch.Tensor, weight: Any) -> torch.Tensor:
+        """x (K,) fp32 times one packed matrix -> (N,) fp32."""
+        return gemv(x, weight)
 
     def layer_inputs(self, cache: KVCache) -> list[list[LayerInputs]]:
         """Each call's layers' (keys, values, weights), gathered once per request.
@@ -282,48 +290,54 @@ class FastDecoder:
         inputs = [(cache.keys[i, 0], cache.values[i, 0], w.tensors()) for i, w in enumerate(self.layers)]
         return [inputs[i:i + self.layers_per_call] for i in range(0, len(inputs), self.layers_per_call)]
 
-    def step(self, token: int, t: int, calls: list[list[LayerInputs]], cos: torch.Tensor, sin: torch.Tensor) -> int:
-        """Decode ``token`` at position ``t``; return the next token's id.
+    def step(self, token: int, t: int, calls: list[list[LayerInputs]], cos: torch.Tensor, sin: torch.Tensor,
+             greedy: bool = True) -> torch.Tensor:
+        """Decode ``token`` at position ``t``: the next token's id (0-d) if greedy, else the logits.
 
         ``calls`` is ``layer_inputs(cache)`` of this request's cache, whose row ``t`` this
-        writes (the caller advances the cache); ``cos``/``sin`` are its (max_len, D) RoPE tables.
+        writes; ``cos``/``sin`` are its (max_len, D) RoPE tables.
         """
         x = self.embed[token].float()
         for layers in calls:
-            x, _ = self.decode_layers(x, t, cos, sin, self.eps, layers)
-        next_token, _ = self.decode_head(x, self.final_norm, self.eps, self.head)
-        return int(next_token)
+            x, _ = self.decode_layers(x, t, cos, sin, self.eps, self.matvec, layers)
+        out, _ = self.decode_head(x, self.final_norm, self.eps, self.head, self.matvec, greedy)
+        return out
 
-    def tokens(self, prompt_ids: list[int], max_new_tokens: int) -> Iterator[int]:
-        """The greedy continuation of ``prompt_ids``, one token per ``next()``, at most ``max_new_tokens``.
+    def tokens(self, prompt_ids: list[int], params: SamplingParams) -> Iterator[int]:
+        """The continuation of ``prompt_ids``, one token per ``next()``, at most ``params.max_new_tokens``.
 
         The first ``next()`` runs the prefill, each later one a single decode step, so that a
         caller can time, interleave or stop them one at a time: ``generate`` is this loop plus
         streaming and stop rules, and ``benchmarks/decode.py`` alternates two decoders' steps
         with bandwidth probes. A prompt that does not fit is refused here, before any work.
         """
-        check_prompt(prompt_ids, SamplingParams(max_new_tokens=max_new_tokens), self.model)
-        return self._decode(prompt_ids, max_new_tokens)
+        check_prompt(prompt_ids, params, self.model.config)
+        return self._decode(prompt_ids, params)
 
     # no_grad, not inference_mode: tensors made under inference_mode differ from the compiled
     # step's outputs in a way torch.compile guards on, which would compile every layer twice.
     @torch.no_grad()
-    def _decode(self, prompt_ids: list[int], max_new_tokens: int) -> Iterator[int]:
-        if max_new_tokens == 0:
+    def _decode(self, prompt_ids: list[int], params: SamplingParams) -> Iterator[int]:
+        if params.max_new_tokens == 0:
             return
         model, device = self.model, self.embed.device
-        max_len = len(prompt_ids) + max_new_tokens
+        n, max_len = len(prompt_ids), len(prompt_ids) + params.max_new_tokens
         cache = KVCache(model.config, 1, max_len, dtype=self.embed.dtype, device=device)
         positions = torch.arange(max_len, device=device)[None]
         cos, sin = (t[0] for t in rope_cos_sin(positions, model.config.head_dim, model.config.rope_theta))
         calls = self.layer_inputs(cache)
-        logits = model(torch.tensor([prompt_ids], device=device), cache=cache, last_position_only=True)
-        token = int(greedy_step(logits)[0])
-        yield token
-        for _ in range(max_new_tokens - 1):
-            token = self.step(token, cache.length, calls, cos, sin)
-            cache.advance(1)
+        generators, history = [make_generator(params.seed, device)], list(prompt_ids)
+        greedy = params.greedy and params.repetition_penalty == 1.0
+        logits = model(torch.tensor([prompt_ids], device=device), positions[:, :n], cache=cache,
+                       cache_start=0, last_position_only=True)
+        token = sample_next(logits[:, -1], params, generators, [history])[0]
+        for t in range(n, max_len):  # t: the position (and cache row) of the token just chosen
+            history.append(token)
             yield token
+            if t + 1 == max_len:
+                return
+            out = self.step(token, t, calls, cos, sin, greedy)
+            token = int(out) if greedy else sample_next(out[None], params, generators, [history])[0]
 
     def generate(
         self,
@@ -333,11 +347,6 @@ class FastDecoder:
         on_text: Callable[[str], None] | None = None,
     ) -> GenerationResult:
         """Same contract as ``generate_cached`` for one prompt (same tokens in fp32)."""
-        steps = self.tokens(prompt_ids, params.max_new_tokens)
-        output = SequenceOutput(tokenizer, prompt_ids, params, eos_token_ids(self.model, tokenizer), on_text)
-        while not output.finished:  # finished before the first token if max_new_tokens == 0
-            start = time.perf_counter()
-            token = next(steps)
-            output.result.step_seconds.append(time.perf_counter() - start)
-            output.push(token)
-        return output.result
+        streams = open_streams(self.model.config, tokenizer, [prompt_ids], params,
+                               on_text and (lambda _, text: on_text(text)))
+        return collect(([token] for token in self.tokens(prompt_ids, params)), streams)[0]

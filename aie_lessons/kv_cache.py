@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import torch
 
-from aie_lessons.config import ModelConfig
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from aie_lessons.config import ModelConfig
 
 
 class CacheFullError(ValueError):
@@ -34,30 +37,25 @@ class KVCache:
         self.keys = torch.zeros(shape, dtype=dtype, device=device)
         self.values = torch.zeros(shape, dtype=dtype, device=device)
         self.max_len = max_len
-        self.length = 0
 
     @property
     def nbytes(self) -> int:
         return self.keys.nbytes + self.values.nbytes
 
-    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store k, v (B, Hkv, S, D) at positions length … length+S-1; return all (B, Hkv, T, D)."""
+    def update(
+        self, layer: int, k: torch.Tensor, v: torch.Tensor, start: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store k, v (B, Hkv, S, D) at columns start … start+S-1; return columns 0 … start+S-1.
+
+        A new request reuses the memory by starting again at 0: old entries are overwritten.
+        """
         new = k.shape[2]
-        if self.length + new > self.max_len:
+        if start < 0 or start + new > self.max_len:
             raise CacheFullError(
-                f"the KV cache holds {self.max_len} positions; {self.length} are used and "
-                f"{new} more were written. Fix: allocate max_len ≥ prompt + max_new_tokens "
-                f"(here {self.length + new})."
+                f"the KV cache holds {self.max_len} positions; {new} were written at column "
+                f"{start}. Fix: allocate max_len ≥ prompt + max_new_tokens (here {start + new})."
             )
-        end = self.length + new
-        self.keys[layer, :, :, self.length:end] = k
-        self.values[layer, :, :, self.length:end] = v
+        end = start + new
+        self.keys[layer, :, :, start:end] = k
+        self.values[layer, :, :, start:end] = v
         return self.keys[layer, :, :, :end], self.values[layer, :, :, :end]
-
-    def advance(self, n: int) -> None:
-        """Called by the model once every layer has stored ``n`` new positions."""
-        self.length += n
-
-    def reset(self) -> None:
-        """Reuse the memory for a new request: old entries are simply overwritten."""
-        self.length = 0

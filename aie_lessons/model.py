@@ -19,13 +19,26 @@ from aie_lessons.weights import WeightsError, load_weights
 # plain causal attention over S == T positions. Stage 03 builds masks, stage 04 makes T > S.
 AttentionFn = Callable[..., torch.Tensor]
 ATTENTION_BACKENDS: dict[str, AttentionFn] = {}
+# Backends that store the new keys/values and read the KV cache themselves, instead of being
+# handed the cache's contiguous (B, Hkv, T, D) keys and values: stage 07's paged attention reads
+# blocks through a block table and would waste its point if the model gathered them first.
+CACHE_READING_BACKENDS: set[str] = set()
 
 
-def register_attention_backend(name: str) -> Callable[[AttentionFn], AttentionFn]:
-    """Make an attention function selectable with ``LlamaModel(..., attention=name)``."""
+def register_attention_backend(name: str, reads_cache: bool = False) -> Callable[[AttentionFn], AttentionFn]:
+    """Make an attention function selectable with ``LlamaModel(..., attention=name)``.
+
+    A backend registered with ``reads_cache=True`` is called, when there is a cache, as
+    ``fn(q, k, v, mask=mask, cache=cache, layer=layer_index, start=cache_start)`` with only the
+    *new* k and v: storing them and reading the past is its job.
+    """
 
     def register(fn: AttentionFn) -> AttentionFn:
         ATTENTION_BACKENDS[name] = fn
+        if reads_cache:
+            CACHE_READING_BACKENDS.add(name)
+        else:
+            CACHE_READING_BACKENDS.discard(name)
         return fn
 
     return register
@@ -129,17 +142,22 @@ class Attention(nn.Module):
         self.v_proj = Linear(config.hidden_size, hkv * d, bias=False)
         self.o_proj = Linear(hq * d, config.hidden_size, bias=False)
 
-    def forward(self, x, cos, sin, mask=None, cache=None) -> torch.Tensor:
+    def forward(self, x, cos, sin, mask=None, cache=None, cache_start=None) -> torch.Tensor:
         batch, seq, _ = x.shape
         d, hq, hkv = self.config.head_dim, self.config.num_heads, self.config.num_kv_heads
         q = self.q_proj(x).view(batch, seq, hq, d).transpose(1, 2)  # (B, Hq, S, D)
         k = self.k_proj(x).view(batch, seq, hkv, d).transpose(1, 2)  # (B, Hkv, S, D)
         v = self.v_proj(x).view(batch, seq, hkv, d).transpose(1, 2)  # (B, Hkv, S, D)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if cache is not None:  # stage 04: store the new keys/values, attend to all kept so far
-            k, v = cache.update(self.layer_index, k, v)  # (B, Hkv, T, D), in the cache's dtype
+        backend = ATTENTION_BACKENDS[self.backend]
+        if cache is None:
+            out = backend(q, k, v, mask=mask)  # (B, Hq, S, D)
+        elif self.backend in CACHE_READING_BACKENDS:  # stage 07: the backend reads the cache itself
+            out = backend(q, k, v, mask=mask, cache=cache, layer=self.layer_index, start=cache_start)
+        else:  # stage 04: store the new keys/values at cache_start, attend to all kept so far
+            k, v = cache.update(self.layer_index, k, v, cache_start)  # (B, Hkv, T, D), cache's dtype
             k, v = k.to(q.dtype), v.to(q.dtype)  # a bf16 cache, fp32 activations: a copy per step
-        out = ATTENTION_BACKENDS[self.backend](q, k, v, mask=mask)  # (B, Hq, S, D)
+            out = backend(q, k, v, mask=mask)
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq, hq * d))
 
 
@@ -164,8 +182,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x, cos, sin, mask=None, cache=None) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache)
+    def forward(self, x, cos, sin, mask=None, cache=None, cache_start=None) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache, cache_start)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -242,27 +260,29 @@ class LlamaModel(nn.Module):
         positions: torch.Tensor | None = None,
         mask: torch.Tensor | None = None,
         cache=None,
+        cache_start: int | None = None,
         last_position_only: bool = False,
     ) -> torch.Tensor:
         """Logits (B, S, vocab) for token ids (B, S) — or (B, 1, vocab) for the last position.
 
-        ``positions`` (B, S) are the RoPE positions (default 0..S-1, after what ``cache`` holds);
+        ``positions`` (B, S) are the RoPE positions (default 0..S-1 when there is no cache);
         ``mask`` is a boolean (B or 1, 1, S, T) attention mask (stage 03); ``cache`` is a KV cache
-        with ``length``, ``update(layer, k, v)`` and ``advance(n)`` (stage 04). Generation only
-        needs the last position's logits: ``last_position_only`` skips the output head's work
-        (S × 576 × 49152 multiply-adds) for all the others.
+        with ``update(layer, k, v, start)`` and ``cache_start`` the cache column where these
+        tokens' keys and values go (stage 04). The caller says both, because only the caller
+        knows how far each sequence is: nothing here is derived from what a cache holds.
+        Generation only needs the last position's logits: ``last_position_only`` skips the
+        output head's work (S × 576 × 49152 multiply-adds) for all the others.
         """
+        if cache is not None and (positions is None or cache_start is None):
+            raise ValueError("with a cache, pass positions (B, S) and cache_start (the cache column "
+                             "where these tokens go): the caller owns how far each sequence is")
         if positions is None:
-            start = cache.length if cache is not None else 0
-            positions = torch.arange(start, start + input_ids.shape[1], device=input_ids.device)
-            positions = positions.expand_as(input_ids)
+            positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
         x = self.embed_tokens(input_ids).to(self.activations)  # (B, S, hidden)
         cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta)
         cos, sin = cos.to(x.dtype), sin.to(x.dtype)
         for layer in self.layers:
-            x = layer(x, cos, sin, mask, cache)
-        if cache is not None:
-            cache.advance(input_ids.shape[1])
+            x = layer(x, cos, sin, mask, cache, cache_start)
         if last_position_only:
             x = x[:, -1:]
         return self.lm_head(self.norm(x).float())  # (B, S, vocab), fp32

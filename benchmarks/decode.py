@@ -32,7 +32,7 @@ from aie_lessons.cached_generate import generate_cached
 from aie_lessons.fast_decode import FastDecoder, huge_page_empty
 from aie_lessons.generate import SamplingParams
 from aie_lessons.model import LlamaModel
-from aie_lessons.paths import default_model_dir
+from aie_lessons.infra.paths import default_model_dir
 from aie_lessons.tokenizer import Tokenizer
 
 PROMPT = "Write a long story about a lighthouse keeper and the sea."

@@ -48,7 +48,7 @@
 
 # %%
 # NBVAL_IGNORE_OUTPUT
-from aie_lessons.environment import environment_report
+from aie_lessons.infra.environment import environment_report
 
 print(environment_report())
 
@@ -68,7 +68,7 @@ print(environment_report())
 
 # %%
 # NBVAL_IGNORE_OUTPUT
-from aie_lessons.model_files import fetch_course_model
+from aie_lessons.infra.model_files import fetch_course_model
 
 model_dir = fetch_course_model()
 
@@ -113,7 +113,8 @@ print(f"fp32 roofline for batch-1 decoding: {bandwidth / weights_bytes:.0f} toke
 # rebuilds each of its parts with you.
 
 # %%
-from aie_lessons.generate import SamplingParams, generate
+from aie_lessons.generate import generate
+from aie_lessons.sampling import SamplingParams
 from aie_lessons.model import LlamaModel
 from aie_lessons.tokenizer import Tokenizer
 

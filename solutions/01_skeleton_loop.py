@@ -19,7 +19,7 @@
 #  weights on disk ──► (1) weight loader ──► nn.Module
 #  "What is ..."   ──► (2) input preprocessing (tokenizer, chat template) ──► token ids
 #  token ids       ──► (3) forward pass ──► logits for the next token
-#  logits          ──► (4) output postprocessing (greedy pick, streaming detokenizer) ──► text
+#  logits          ──► (4) output postprocessing (greedy pick or sampling, streaming text) ──► text
 # ```
 #
 # In this stage you build the simplest engine that does all four for a real model,
@@ -38,7 +38,7 @@ import matplotlib.pyplot as plt
 import torch
 
 from aie_lessons import checks
-from aie_lessons.paths import default_model_dir
+from aie_lessons.infra.paths import default_model_dir
 
 torch.manual_seed(0)
 MODEL_DIR = default_model_dir()
@@ -62,6 +62,61 @@ from dataclasses import dataclass
 from pathlib import Path
 
 
+class UnsupportedConfigError(ValueError):
+    """A checkpoint asks for an architecture feature this model does not implement."""
+
+
+# Fields of a HuggingFace config whose non-default values change the computation in ways our
+# model does not implement. Loading such a checkpoint would run and print plausible-looking
+# nonsense, so it is refused instead, naming the field.
+UNSUPPORTED_FIELDS = {
+    "attention_bias": "biases on the q/k/v/o projections",
+    "mlp_bias": "biases on the MLP projections",
+    "sliding_window": "sliding-window attention",
+    "no_rope_layers": "layers without RoPE",
+    "no_rope_layer_interval": "layers without RoPE",
+}
+SUPPORTED_ACTIVATIONS = ("silu",)
+
+
+def rope_theta_of(cfg: dict) -> float:
+    """RoPE's base frequency: newer configs nest it in ``rope_parameters``, older ones do not."""
+    nested = cfg.get("rope_parameters") or {}
+    return float(nested.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+
+
+def refuse_unsupported(cfg: dict) -> None:
+    """Raise ``UnsupportedConfigError`` naming the first field our model would silently ignore."""
+    for name, feature in UNSUPPORTED_FIELDS.items():
+        value = cfg.get(name)
+        if name == "sliding_window" and not cfg.get("use_sliding_window", True):
+            continue  # Qwen-style configs carry a window size but switch it off
+        if name == "no_rope_layers" and value and all(value):
+            continue  # SmolLM3 lists 1 for every layer that does use RoPE: all of them is fine
+        if value not in (None, False, 0, [], {}):
+            raise UnsupportedConfigError(
+                f"config.json sets {name}={value!r} ({feature}), which this Llama model does not "
+                "implement: it would load and produce wrong text. Fix: use a plain Llama-family "
+                "checkpoint (e.g. `aie fetch-model` for SmolLM2-135M)."
+            )
+    for field in ("rope_parameters", "rope_scaling"):  # the newer name, then the older
+        rope = cfg.get(field) or {}
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type != "default":
+            break
+    if rope_type != "default":
+        raise UnsupportedConfigError(
+            f"config.json sets {field}.rope_type={rope_type!r} (scaled RoPE); only plain RoPE "
+            "('default') is implemented. Fix: use a checkpoint without RoPE scaling."
+        )
+    activation = cfg.get("hidden_act", "silu")
+    if activation not in SUPPORTED_ACTIVATIONS:
+        raise UnsupportedConfigError(
+            f"config.json sets hidden_act={activation!r}; the MLP implements {SUPPORTED_ACTIVATIONS}. "
+            "Fix: use a Llama-family checkpoint."
+        )
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """Shapes and constants of a Llama-family decoder; every stage reads its sizes from here."""
@@ -81,6 +136,7 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, cfg: dict) -> "ModelConfig":
+        refuse_unsupported(cfg)
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         num_heads = cfg["num_attention_heads"]
@@ -93,7 +149,7 @@ class ModelConfig:
             num_kv_heads=cfg.get("num_key_value_heads", num_heads),
             head_dim=cfg.get("head_dim") or cfg["hidden_size"] // num_heads,
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-            rope_theta=cfg.get("rope_theta", 10000.0),
+            rope_theta=rope_theta_of(cfg),
             max_position_embeddings=cfg["max_position_embeddings"],
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
             eos_token_ids=eos_ids,
@@ -388,13 +444,26 @@ from torch import nn
 # plain causal attention over S == T positions. Stage 03 builds masks, stage 04 makes T > S.
 AttentionFn = Callable[..., torch.Tensor]
 ATTENTION_BACKENDS: dict[str, AttentionFn] = {}
+# Backends that store the new keys/values and read the KV cache themselves, instead of being
+# handed the cache's contiguous (B, Hkv, T, D) keys and values: stage 07's paged attention reads
+# blocks through a block table and would waste its point if the model gathered them first.
+CACHE_READING_BACKENDS: set[str] = set()
 
 
-def register_attention_backend(name: str) -> Callable[[AttentionFn], AttentionFn]:
-    """Make an attention function selectable with ``LlamaModel(..., attention=name)``."""
+def register_attention_backend(name: str, reads_cache: bool = False) -> Callable[[AttentionFn], AttentionFn]:
+    """Make an attention function selectable with ``LlamaModel(..., attention=name)``.
+
+    A backend registered with ``reads_cache=True`` is called, when there is a cache, as
+    ``fn(q, k, v, mask=mask, cache=cache, layer=layer_index, start=cache_start)`` with only the
+    *new* k and v: storing them and reading the past is its job.
+    """
 
     def register(fn: AttentionFn) -> AttentionFn:
         ATTENTION_BACKENDS[name] = fn
+        if reads_cache:
+            CACHE_READING_BACKENDS.add(name)
+        else:
+            CACHE_READING_BACKENDS.discard(name)
         return fn
 
     return register
@@ -502,17 +571,22 @@ class Attention(nn.Module):
         self.v_proj = Linear(config.hidden_size, hkv * d, bias=False)
         self.o_proj = Linear(hq * d, config.hidden_size, bias=False)
 
-    def forward(self, x, cos, sin, mask=None, cache=None) -> torch.Tensor:
+    def forward(self, x, cos, sin, mask=None, cache=None, cache_start=None) -> torch.Tensor:
         batch, seq, _ = x.shape
         d, hq, hkv = self.config.head_dim, self.config.num_heads, self.config.num_kv_heads
         q = self.q_proj(x).view(batch, seq, hq, d).transpose(1, 2)  # (B, Hq, S, D)
         k = self.k_proj(x).view(batch, seq, hkv, d).transpose(1, 2)  # (B, Hkv, S, D)
         v = self.v_proj(x).view(batch, seq, hkv, d).transpose(1, 2)  # (B, Hkv, S, D)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if cache is not None:  # stage 04: store the new keys/values, attend to all kept so far
-            k, v = cache.update(self.layer_index, k, v)  # (B, Hkv, T, D), in the cache's dtype
+        backend = ATTENTION_BACKENDS[self.backend]
+        if cache is None:
+            out = backend(q, k, v, mask=mask)  # (B, Hq, S, D)
+        elif self.backend in CACHE_READING_BACKENDS:  # stage 07: the backend reads the cache itself
+            out = backend(q, k, v, mask=mask, cache=cache, layer=self.layer_index, start=cache_start)
+        else:  # stage 04: store the new keys/values at cache_start, attend to all kept so far
+            k, v = cache.update(self.layer_index, k, v, cache_start)  # (B, Hkv, T, D), cache's dtype
             k, v = k.to(q.dtype), v.to(q.dtype)  # a bf16 cache, fp32 activations: a copy per step
-        out = ATTENTION_BACKENDS[self.backend](q, k, v, mask=mask)  # (B, Hq, S, D)
+            out = backend(q, k, v, mask=mask)
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq, hq * d))
 
 
@@ -537,8 +611,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x, cos, sin, mask=None, cache=None) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache)
+    def forward(self, x, cos, sin, mask=None, cache=None, cache_start=None) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache, cache_start)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -615,27 +689,29 @@ class LlamaModel(nn.Module):
         positions: torch.Tensor | None = None,
         mask: torch.Tensor | None = None,
         cache=None,
+        cache_start: int | None = None,
         last_position_only: bool = False,
     ) -> torch.Tensor:
         """Logits (B, S, vocab) for token ids (B, S) — or (B, 1, vocab) for the last position.
 
-        ``positions`` (B, S) are the RoPE positions (default 0..S-1, after what ``cache`` holds);
+        ``positions`` (B, S) are the RoPE positions (default 0..S-1 when there is no cache);
         ``mask`` is a boolean (B or 1, 1, S, T) attention mask (stage 03); ``cache`` is a KV cache
-        with ``length``, ``update(layer, k, v)`` and ``advance(n)`` (stage 04). Generation only
-        needs the last position's logits: ``last_position_only`` skips the output head's work
-        (S × 576 × 49152 multiply-adds) for all the others.
+        with ``update(layer, k, v, start)`` and ``cache_start`` the cache column where these
+        tokens' keys and values go (stage 04). The caller says both, because only the caller
+        knows how far each sequence is: nothing here is derived from what a cache holds.
+        Generation only needs the last position's logits: ``last_position_only`` skips the
+        output head's work (S × 576 × 49152 multiply-adds) for all the others.
         """
+        if cache is not None and (positions is None or cache_start is None):
+            raise ValueError("with a cache, pass positions (B, S) and cache_start (the cache column "
+                             "where these tokens go): the caller owns how far each sequence is")
         if positions is None:
-            start = cache.length if cache is not None else 0
-            positions = torch.arange(start, start + input_ids.shape[1], device=input_ids.device)
-            positions = positions.expand_as(input_ids)
+            positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
         x = self.embed_tokens(input_ids).to(self.activations)  # (B, S, hidden)
         cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta)
         cos, sin = cos.to(x.dtype), sin.to(x.dtype)
         for layer in self.layers:
-            x = layer(x, cos, sin, mask, cache)
-        if cache is not None:
-            cache.advance(input_ids.shape[1])
+            x = layer(x, cos, sin, mask, cache, cache_start)
         if last_position_only:
             x = x[:, -1:]
         return self.lm_head(self.norm(x).float())  # (B, S, vocab), fp32
@@ -680,29 +756,64 @@ print(f"{n_params / 1e6:.1f} M parameters; output head shares the embedding's st
 # ### Exercise 1.3 — the greedy step
 
 # %%
-# export: generate
-"""The skeleton generate loop: greedy, no KV cache, stop on EOS, length or stop strings."""
+# export: sampling
+"""From logits to the next token: the greedy pick, sampling, and the parameters of both."""
 
 from __future__ import annotations
 
-import time
-from dataclasses import dataclass, field
-from typing import Callable
+import math
+from dataclasses import dataclass
 
 import torch
 
 
+class SamplingParamsError(ValueError):
+    """A sampling parameter is outside the range where it means something."""
+
+
 @dataclass(frozen=True)
 class SamplingParams:
-    """How to pick tokens and when to stop (stage 01: greedy only)."""
+    """How to pick tokens and when to stop: one per request, never changed (frozen).
+
+    ``temperature=0`` means greedy decoding; it is the default because every comparison with
+    transformers' greedy tokens (and every later stage's oracle) relies on it. ``seed`` gives
+    the request its own random stream, so a sampled answer can be reproduced exactly.
+    """
 
     max_new_tokens: int = 64
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False  # benchmarks: always generate max_new_tokens
+    temperature: float = 0.0  # 0 = greedy; otherwise logits are divided by it before sampling
+    top_k: int = 0  # keep only the k best tokens; 0 = no limit
+    top_p: float = 1.0  # keep the fewest best tokens whose probabilities reach p; 1 = all
+    repetition_penalty: float = 1.0  # > 1 makes tokens already in the sequence less likely
+    seed: int | None = None  # None: a fresh random stream for every request
 
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            raise SamplingParamsError(f"stop={self.stop!r} is one string; it must be a sequence "
+                                      f"of strings. Fix: stop=({self.stop!r},)")
+        object.__setattr__(self, "stop", tuple(self.stop))  # a list is fine; store it frozen
+        integers = {"max_new_tokens": (self.max_new_tokens, "an integer ≥ 0"),
+                    "top_k": (self.top_k, "an integer ≥ 0 (0 = no limit)")}
+        for name, (value, allowed) in integers.items():
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise SamplingParamsError(f"{name}={value!r} is invalid: it must be {allowed}.")
+        numbers = {
+            "temperature": (self.temperature, self.temperature >= 0, "a number ≥ 0 (0 = greedy)"),
+            "top_p": (self.top_p, 0 < self.top_p <= 1, "a number in (0, 1] (1 = keep all)"),
+            "repetition_penalty": (self.repetition_penalty, self.repetition_penalty > 0,
+                                   "a number > 0 (1 = no penalty)"),
+        }
+        for name, (value, in_range, allowed) in numbers.items():
+            if not isinstance(value, (int, float)) or not math.isfinite(value) or not in_range:
+                raise SamplingParamsError(f"{name}={value!r} is invalid: it must be {allowed}.")
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
+            raise SamplingParamsError(f"seed={self.seed!r} is invalid: it must be an integer or None.")
 
-class ContextLengthError(ValueError):
-    """The request does not fit in the model's context window."""
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
 
 
 def greedy_step(logits: torch.Tensor) -> torch.Tensor:
@@ -710,17 +821,6 @@ def greedy_step(logits: torch.Tensor) -> torch.Tensor:
     # BEGIN EXERCISE 1.3: return, for each sequence, the id of the best token predicted after its last position | Hint: position t predicts token t + 1, so only logits[:, -1] matters; argmax over the vocabulary axis.
     return logits[:, -1, :].argmax(dim=-1)
     # END EXERCISE 1.3
-
-
-def check_fits_context(prompt_len: int, max_new_tokens: int, context: int) -> None:
-    """Refuse, with the numbers, a request that would run past the model's last position."""
-    if prompt_len + max_new_tokens > context:
-        raise ContextLengthError(
-            f"prompt of {prompt_len} tokens + max_new_tokens {max_new_tokens} = "
-            f"{prompt_len + max_new_tokens} tokens, but the model's context is {context} tokens. "
-            f"Fix: shorten the prompt by {prompt_len + max_new_tokens - context} tokens or lower "
-            "max_new_tokens."
-        )
 
 
 # %%
@@ -774,11 +874,166 @@ class StreamingDetokenizer:
 checks.stage01.check_streaming_detokenizer(StreamingDetokenizer, tokenizer)
 
 # %% [markdown]
-# The loop itself: stop on the end-of-sequence token, on `max_new_tokens`, or on a stop string —
-# which may arrive split across tokens, so text that could be the start of one is held back.
+# ### Sampling: when the best token is not the only choice
+#
+# Greedy decoding always answers the same way, and on open-ended prompts it tends to loop. A
+# chat model is usually *sampled*: the logits become probabilities (a softmax) and the next
+# token is drawn at random from them. Four knobs shape the draw, applied in this order:
+#
+# 1. **repetition penalty** makes every token already in the sequence less likely;
+# 2. **temperature** divides the logits: below 1 sharpens the distribution, above 1 flattens it
+#    (and 0 is the greedy limit);
+# 3. **top-k** keeps only the k highest-scoring tokens;
+# 4. **top-p** ("nucleus") keeps the fewest best tokens whose probabilities add up to p.
+#
+# Removing a token means setting its logit to −∞, so the softmax gives it probability 0 and
+# renormalises the rest. The order and the exact rules are the ones HuggingFace `transformers`
+# uses, so the course's tests can compare our filters with theirs on the real model's logits.
+#
+# ### Exercise 1.5 — the repetition penalty (warm-up)
+#
+# The CTRL paper's rule: a token that already occurs in the sequence has its logit *divided* by
+# the penalty if it is positive and *multiplied* by it if it is negative, so both move down. A
+# token counts once, however often it occurred.
 
 # %%
-# export: generate
+# export: sampling
+def apply_repetition_penalty(logits: torch.Tensor, history: torch.Tensor, penalty: float) -> torch.Tensor:
+    """``logits`` (vocab,) with the tokens in ``history`` (n,) made less likely by ``penalty``.
+
+    Returns a new tensor: the caller's logits stay as they were.
+    """
+    # BEGIN EXERCISE 1.5: return a copy of logits where each token id in history has its logit divided by penalty if positive, multiplied by it otherwise
+    seen = logits.gather(-1, history)
+    seen = torch.where(seen > 0, seen / penalty, seen * penalty)
+    return logits.scatter(-1, history, seen)
+    # END EXERCISE 1.5
+
+
+# %%
+# Check exercise 1.5
+checks.stage01.check_repetition_penalty(apply_repetition_penalty)
+
+# %% [markdown]
+# ### Exercise 1.6 — top-k and top-p
+#
+# Both filters take logits of shape (B, vocab) and return logits of the same shape with the
+# removed tokens at −∞. The rules, exactly:
+#
+# - **top-k** (`top_k > 0`): keep every token whose logit is at least the k-th highest (a token
+#   tied with the k-th stays). `top_k = 0`, or a k of at least the vocabulary size, keeps all.
+# - **top-p** (`top_p < 1`), applied *after* top-k: rank the tokens still kept by probability;
+#   keep a token if the tokens ranked above it hold less than `p` of the probability. The best
+#   token is therefore always kept. `top_p = 1` keeps all.
+
+# %%
+# export: sampling
+def filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """``logits`` (B, vocab) with every token outside the top-k and then the top-p set at −inf."""
+    # BEGIN EXERCISE 1.6: set to -inf the logits of tokens below the k-th best (if top_k > 0), then of tokens whose better-ranked tokens already hold top_p of the probability (if top_p < 1)
+    if 0 < top_k < logits.shape[-1]:
+        kth_best = logits.topk(top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth_best, float("-inf"))
+    if top_p < 1.0:
+        ranked, order = logits.sort(dim=-1, descending=True)
+        probs = ranked.softmax(dim=-1)
+        above = probs.cumsum(dim=-1) - probs  # probability held by the better-ranked tokens
+        drop = (above >= top_p).scatter(-1, order, above >= top_p)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits
+    # END EXERCISE 1.6
+
+
+# %%
+# Check exercise 1.6
+checks.stage01.check_top_k_top_p(filter_top_k_top_p)
+
+# %% [markdown]
+# With both in place, one function picks the next token of each row of a batch. Each request
+# brings its own `torch.Generator`, seeded from `SamplingParams.seed`: a request's draws then
+# depend on its seed alone, never on which other requests share the batch (stage 06 relies on
+# this when it batches strangers together).
+
+# %%
+# export: sampling
+def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator:
+    """A request's own random stream: reproducible with a seed, fresh without one."""
+    generator = torch.Generator(device=device)
+    if seed is None:
+        generator.seed()
+    else:
+        generator.manual_seed(seed)
+    return generator
+
+
+def sample_row(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator,
+               history: list[int]) -> int:
+    """One token id from one row's last-position logits (vocab,), fp32."""
+    if params.repetition_penalty != 1.0:
+        seen = torch.tensor(history, dtype=torch.long, device=logits.device)
+        logits = apply_repetition_penalty(logits, seen, params.repetition_penalty)
+    if params.greedy:
+        return int(logits.argmax())
+    logits = filter_top_k_top_p(logits[None] / params.temperature, params.top_k, params.top_p)[0]
+    return int(torch.multinomial(logits.softmax(dim=-1), 1, generator=generator))
+
+
+def sample_next(logits: torch.Tensor, params: SamplingParams, generators: list[torch.Generator],
+                histories: list[list[int]]) -> list[int]:
+    """The next token id of every row, from last-position logits (B, vocab).
+
+    ``histories[i]`` is row i's prompt and output so far (for the repetition penalty). Plain
+    greedy needs no history and no randomness: one argmax over the whole batch.
+    """
+    if params.greedy and params.repetition_penalty == 1.0:
+        return logits.argmax(dim=-1).tolist()
+    return [sample_row(row, params, generator, history)
+            for row, generator, history in zip(logits, generators, histories)]
+
+
+# %% [markdown]
+# What the filters do to a real distribution: the model's probabilities for the first token of
+# the answer to "What is the capital of France?", at temperature 0.7, with the tokens that
+# top-k = 10 and top-p = 0.9 keep.
+
+# %%
+france_ids = tokenizer.encode_chat("What is the capital of France?")
+with torch.inference_mode():
+    first_logits = model(torch.tensor([france_ids]))[0, -1]  # (vocab,) fp32
+scaled = first_logits / 0.7
+best = scaled.topk(20).indices
+kept_k = torch.isfinite(filter_top_k_top_p(scaled[None], 10, 1.0)[0])[best]
+kept_p = torch.isfinite(filter_top_k_top_p(scaled[None], 0, 0.9)[0])[best]
+probs = scaled.softmax(-1)[best]
+labels = [repr(tokenizer.decode([i]))[1:-1] for i in best.tolist()]
+fig, ax = plt.subplots(figsize=(8, 3.5))
+colors = ["tab:green" if p else ("tab:blue" if k else "lightgray") for k, p in zip(kept_k, kept_p)]
+ax.bar(range(20), probs, color=colors)
+ax.set_xticks(range(20), labels, rotation=60, fontsize=8)
+ax.set_yscale("log")
+ax.set_ylabel("probability at temperature 0.7")
+ax.set_title("First answer token: kept by top-p 0.9 (green), by top-k 10 only (blue), neither (gray)",
+             fontsize=9)
+plt.tight_layout()
+plt.show()
+print(f"top-k 10 keeps {int(kept_k.sum())} of these 20 tokens, top-p 0.9 keeps {int(kept_p.sum())}; "
+      f"the best token has probability {probs[0]:.2f}")
+
+# %% [markdown]
+# The output side of the loop: a stream of token ids becomes text. The loop must stop on the
+# end-of-sequence token, on `max_new_tokens`, or on a stop string — which may arrive split
+# across tokens, so text that could be the start of one is held back.
+
+# %%
+# export: output
+"""Generated token ids -> streamed text, stop rules and the finished result, for every loop."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+
 class StopStrings:
     """Cut generated text at the first stop string, holding back text that might start one."""
 
@@ -830,15 +1085,15 @@ class GenerationResult:
         }
 
 
-def eos_token_ids(model: LlamaModel, tokenizer: Tokenizer) -> set[int]:
+def stop_token_ids(config: ModelConfig, tokenizer: Tokenizer) -> set[int]:
     """Tokens that end a sequence: the model config's and the tokenizer's end-of-sequence ids."""
-    ids = set(model.config.eos_token_ids)
+    ids = set(config.eos_token_ids)
     if tokenizer.eos_token_id is not None:
         ids.add(tokenizer.eos_token_id)
     return ids
 
 
-class SequenceOutput:
+class OutputStream:
     """One sequence's generated tokens -> streamed text, stop rules and the final result.
 
     Every generate loop in the course (one sequence here, batches in stages 03, 04 and 06) feeds
@@ -850,14 +1105,14 @@ class SequenceOutput:
         tokenizer: Tokenizer,
         prompt_ids: list[int],
         params: SamplingParams,
-        eos_ids: set[int],
+        stop_ids: set[int],
         on_text: Callable[[str], None] | None = None,
     ):
         self.result = GenerationResult(prompt_ids=list(prompt_ids))
         self.detokenizer = StreamingDetokenizer(tokenizer)
         self.stops = StopStrings(params.stop)
         self.max_new_tokens = params.max_new_tokens
-        self.eos_ids = set() if params.ignore_eos else eos_ids
+        self.stop_ids = set() if params.ignore_eos else stop_ids
         self.on_text = on_text
         self.finished = params.max_new_tokens == 0
 
@@ -874,7 +1129,7 @@ class SequenceOutput:
 
     def push(self, token_id: int) -> bool:
         """Add one generated token; return True once the sequence is finished."""
-        if token_id in self.eos_ids:
+        if token_id in self.stop_ids:
             self._finish("eos")
             return True
         self.result.token_ids.append(token_id)
@@ -887,13 +1142,103 @@ class SequenceOutput:
         return self.finished
 
 
-def check_prompt(prompt_ids: list[int], params: SamplingParams, model: LlamaModel) -> None:
+# %% [markdown]
+# And the loop itself. It is written in two parts that every later loop reuses: a *step
+# iterator* that yields the next token of each sequence, one model call per `next()`, and
+# `collect`, which times each step and feeds its tokens to the output streams until all have
+# finished. A new loop (with a KV cache in stage 04, a compiled step later) is then only a new
+# step iterator. Positions are always passed to the model explicitly: the loop knows how far
+# each sequence is, the model never guesses.
+
+# %%
+# export: generate
+"""The skeleton generate loop, and the request checks and output plumbing every loop shares."""
+
+from __future__ import annotations
+
+import time
+from typing import Callable, Iterable, Iterator
+
+import torch
+
+
+class PromptError(ValueError):
+    """A prompt the model cannot run: empty, with unknown token ids, or too long."""
+
+
+class ContextLengthError(PromptError):
+    """The request does not fit in the model's context window."""
+
+
+def check_fits_context(prompt_len: int, max_new_tokens: int, context: int) -> None:
+    """Refuse, with the numbers, a request that would run past the model's last position."""
+    if prompt_len + max_new_tokens > context:
+        raise ContextLengthError(
+            f"prompt of {prompt_len} tokens + max_new_tokens {max_new_tokens} = "
+            f"{prompt_len + max_new_tokens} tokens, but the model's context is {context} tokens. "
+            f"Fix: shorten the prompt by {prompt_len + max_new_tokens - context} tokens or lower "
+            "max_new_tokens."
+        )
+
+
+def check_prompt(prompt_ids: list[int], params: SamplingParams, config: ModelConfig) -> None:
+    """Refuse a request the model cannot run, before any work: empty, unknown ids, too long."""
     if not prompt_ids:
-        raise ValueError("the prompt is empty: give at least one token")
-    check_fits_context(len(prompt_ids), params.max_new_tokens, model.config.max_position_embeddings)
+        raise PromptError("the prompt is empty: give at least one token")
+    bad = [i for i in prompt_ids if not 0 <= i < config.vocab_size]
+    if bad:
+        raise PromptError(f"prompt token ids {bad[:5]} are outside the vocabulary (0 to "
+                         f"{config.vocab_size - 1}). Fix: encode the prompt with this model's tokenizer")
+    check_fits_context(len(prompt_ids), params.max_new_tokens, config.max_position_embeddings)
+
+
+def open_streams(
+    config: ModelConfig,
+    tokenizer: Tokenizer,
+    prompts: list[list[int]],
+    params: SamplingParams,
+    on_text: Callable[[int, str], None] | None = None,
+) -> list[OutputStream]:
+    """Check every prompt, then one output stream each; ``on_text(i, text)`` streams prompt i."""
+    for prompt in prompts:
+        check_prompt(prompt, params, config)
+    stop_ids = stop_token_ids(config, tokenizer)
+    return [OutputStream(tokenizer, prompt, params, stop_ids, on_text and (lambda text, i=i: on_text(i, text)))
+            for i, prompt in enumerate(prompts)]
+
+
+def collect(steps: Iterable[list[int]], streams: list[OutputStream]) -> list[GenerationResult]:
+    """Feed each step's tokens (one per sequence) to the streams until every one has finished.
+
+    The time of each ``next()`` (one forward pass) is recorded for the sequences still running.
+    A finished sequence ignores the tokens its row keeps producing while others continue.
+    """
+    steps = iter(steps)
+    while not all(stream.finished for stream in streams):
+        start = time.perf_counter()
+        tokens = next(steps)
+        elapsed = time.perf_counter() - start
+        for stream, token in zip(streams, tokens):
+            if not stream.finished:
+                stream.result.step_seconds.append(elapsed)
+                stream.push(token)
+    return [stream.result for stream in streams]
 
 
 @torch.inference_mode()
+def skeleton_steps(model: LlamaModel, prompt_ids: list[int], params: SamplingParams) -> Iterator[list[int]]:
+    """Next tokens of one sequence, recomputing the whole sequence at every step (no cache)."""
+    device = model.embed_tokens.weight.device
+    generators = [make_generator(params.seed, device)]
+    ids = list(prompt_ids)
+    for _ in range(params.max_new_tokens):
+        positions = torch.arange(len(ids), device=device)[None]  # (1, S): 0 … S-1
+        logits = model(torch.tensor([ids], device=device), positions)  # (1, S, vocab)
+        token = sample_next(logits[:, -1], params, generators, [ids])
+        ids += token
+        yield token
+
+
 def generate(
     model: LlamaModel,
     tokenizer: Tokenizer,
@@ -901,23 +1246,14 @@ def generate(
     params: SamplingParams = SamplingParams(),
     on_text: Callable[[str], None] | None = None,
 ) -> GenerationResult:
-    """Greedy generation that recomputes the whole sequence for every new token.
+    """Generation that recomputes the whole sequence for every new token.
 
     ``on_text`` receives text as soon as it is complete (whole characters, stop strings cut),
     which is how the CLI streams to the terminal.
     """
-    check_prompt(prompt_ids, params, model)
-    device = model.embed_tokens.weight.device
-    output = SequenceOutput(tokenizer, prompt_ids, params, eos_token_ids(model, tokenizer), on_text)
-    ids = list(prompt_ids)
-    while not output.finished:
-        start = time.perf_counter()
-        logits = model(torch.tensor([ids], device=device))  # (1, S, vocab): the whole sequence
-        next_id = int(greedy_step(logits)[0])
-        output.result.step_seconds.append(time.perf_counter() - start)
-        ids.append(next_id)
-        output.push(next_id)
-    return output.result
+    streams = open_streams(model.config, tokenizer, [prompt_ids], params,
+                           on_text and (lambda _, text: on_text(text)))
+    return collect(skeleton_steps(model, prompt_ids, params), streams)[0]
 
 
 # %% [markdown]
@@ -932,6 +1268,22 @@ result = generate(model, tokenizer, prompt_ids, SamplingParams(max_new_tokens=32
                   on_text=lambda t: print(t, end="", flush=True))
 print()
 print("finish reason:", result.finish_reason, "| token ids:", result.token_ids)
+
+# %% [markdown]
+# The same request, sampled: temperature 0.8 with top-p 0.9, three seeds. The exact words depend
+# on the seed (and, through the last bits of the logits, on your processor), so this cell's text
+# is not compared when grading; the cell after it checks what must hold everywhere.
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+for seed in (1, 2, 3):
+    sampled = generate(model, tokenizer, prompt_ids, SamplingParams(max_new_tokens=24, temperature=0.8, top_p=0.9, seed=seed))
+    print(f"seed {seed}: {sampled.text!r}")
+
+# %%
+params = SamplingParams(max_new_tokens=12, temperature=0.8, top_p=0.9, seed=7)
+first, again = (generate(model, tokenizer, prompt_ids, params).token_ids for _ in range(2))
+print("the same seed gives the same tokens:", first == again)
 
 # %% [markdown]
 # ## 6. Timing built in from the start
@@ -1112,7 +1464,8 @@ print(f"a step at 512 tokens costs {seconds[4] / seconds[0]:.0f}x a step at 16 t
 # | weight loader | `aie_lessons.weights`, `config` | mmap safetensors, one tensor at a time |
 # | preprocessing | `aie_lessons.tokenizer` | byte-level BPE, chat template |
 # | forward | `aie_lessons.model` | RMSNorm, RoPE, GQA attention (pluggable), SwiGLU |
-# | postprocessing | `aie_lessons.generate`, `tokenizer` | greedy step, stop rules, streaming text |
+# | postprocessing | `aie_lessons.sampling`, `output`, `tokenizer` | greedy pick, sampling filters, stop rules, streaming text |
+# | the loop | `aie_lessons.generate` | request checks, the step iterator, `collect` |
 # | timing | `aie_lessons.instrument` | per-module time and memory |
 #
 # Try the engine from a terminal: `aie generate --chat "What is the capital of France?"`.

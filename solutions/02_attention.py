@@ -50,7 +50,7 @@ from aie_lessons.model import (
     register_attention_backend,
     rope_cos_sin,
 )
-from aie_lessons.paths import default_model_dir
+from aie_lessons.infra.paths import default_model_dir
 
 torch.manual_seed(0)
 MODEL_DIR = default_model_dir()

@@ -37,17 +37,11 @@ import torch
 import torch.nn.functional as F
 
 from aie_lessons import checks
-from aie_lessons.generate import (
-    GenerationResult,
-    SamplingParams,
-    SequenceOutput,
-    check_prompt,
-    eos_token_ids,
-    generate,
-    greedy_step,
-)
+from aie_lessons.generate import collect, generate, open_streams
+from aie_lessons.output import GenerationResult
+from aie_lessons.sampling import SamplingParams, make_generator, sample_next
 from aie_lessons.model import LlamaModel
-from aie_lessons.paths import default_model_dir
+from aie_lessons.infra.paths import default_model_dir
 from aie_lessons.tokenizer import Tokenizer
 
 torch.manual_seed(0)
@@ -119,10 +113,11 @@ show_masks({"no cache: 8 queries, 8 keys": causal_mask(8, 8),
 
 # %%
 # export: padded_batch
-"""A batch of token sequences of different lengths as rectangles, and greedy generation on it."""
+"""A batch of token sequences of different lengths as rectangles, and generation on it."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -251,32 +246,34 @@ print("softmax of an all finfo.min row:", torch.softmax(torch.full((1, 4), torch
 # ## 5. Generating for a batch
 #
 # Still without a cache: each step pads the sequences afresh, builds the mask and the positions,
-# and runs the whole batch. Sequences that finish (end-of-sequence token or length) stop growing;
-# the others go on.
+# and runs the whole batch. The loop is stage 01's: a step iterator, here yielding one token per
+# sequence, and the same `collect`, which stops streaming a sequence once it has finished (its
+# row keeps computing until all are done — stage 06 removes finished requests from the batch).
 
 # %%
 # export: padded_batch
 @torch.inference_mode()
+def batch_steps(model: LlamaModel, prompts: list[list[int]], params: SamplingParams) -> Iterator[list[int]]:
+    """Next tokens of every sequence, recomputing the padded batch at every step (no cache)."""
+    device = model.embed_tokens.weight.device
+    generators = [make_generator(params.seed, device) for _ in prompts]
+    sequences = [list(p) for p in prompts]
+    for _ in range(params.max_new_tokens):
+        batch = left_pad(sequences, pad_id=0, device=device)  # any id works: padding is masked out
+        mask = attention_mask(batch.is_real, batch.input_ids.shape[1])
+        logits = model(batch.input_ids, batch.positions, mask, last_position_only=True)
+        tokens = sample_next(logits[:, -1], params, generators, sequences)
+        for sequence, token in zip(sequences, tokens):
+            sequence.append(token)
+        yield tokens
+
+
 def generate_batch(
     model: LlamaModel, tokenizer: Tokenizer, prompts: list[list[int]], params: SamplingParams
 ) -> list[GenerationResult]:
-    """Greedy generation for several prompts at once (no KV cache: every step recomputes)."""
-    for prompt in prompts:
-        check_prompt(prompt, params, model)
-    device = model.embed_tokens.weight.device
-    eos_ids = eos_token_ids(model, tokenizer)
-    pad_id = min(eos_ids) if eos_ids else 0  # any id works: padding is masked out
-    outputs = [SequenceOutput(tokenizer, p, params, eos_ids) for p in prompts]
-    sequences = [list(p) for p in prompts]
-    while not all(o.finished for o in outputs):
-        batch = left_pad(sequences, pad_id, device)
-        mask = attention_mask(batch.is_real, batch.input_ids.shape[1])
-        next_ids = greedy_step(model(batch.input_ids, batch.positions, mask)).tolist()
-        for sequence, output, token in zip(sequences, outputs, next_ids):
-            if not output.finished:
-                sequence.append(token)
-                output.push(token)
-    return [o.result for o in outputs]
+    """Generation for several prompts at once, each row sampled with its own generator."""
+    streams = open_streams(model.config, tokenizer, prompts, params)
+    return collect(batch_steps(model, prompts, params), streams)
 
 
 # %%

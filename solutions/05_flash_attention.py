@@ -376,9 +376,9 @@ else:
 
 # %%
 from aie_lessons.cached_generate import generate_cached
-from aie_lessons.generate import SamplingParams
+from aie_lessons.sampling import SamplingParams
 from aie_lessons.model import LlamaModel
-from aie_lessons.paths import default_model_dir
+from aie_lessons.infra.paths import default_model_dir
 from aie_lessons.tokenizer import Tokenizer
 
 model = LlamaModel.from_pretrained(default_model_dir())

@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from aie_lessons.paths import CACHE_DIR, DEFAULT_MODEL_NAME, MODELS_DIR
+from aie_lessons.infra.paths import CACHE_DIR, DEFAULT_MODEL_NAME, MODELS_DIR
 
 CHATML_TEMPLATE = (
     "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content']"

@@ -8,7 +8,7 @@ import torch
 
 from aie_lessons.checks import stage01 as checks
 from aie_lessons.model import apply_rope, rms_norm, rotate_half
-from aie_lessons.generate import greedy_step
+from aie_lessons.sampling import greedy_step
 from aie_lessons.tokenizer import StreamingDetokenizer, Tokenizer
 
 from check_expect import names_the_mistake

@@ -11,15 +11,14 @@ from aie_lessons.cached_generate import generate_cached
 from aie_lessons.fast_decode import (
     HUGE_PAGE,
     FastDecoder,
-    back_to_back,
     decode_attention,
-    decode_order,
+    decode_groups,
     gemv,
     huge_page_empty,
-    joined,
     rope_one_token,
 )
-from aie_lessons.generate import ContextLengthError, SamplingParams
+from aie_lessons.generate import ContextLengthError
+from aie_lessons.sampling import SamplingParams
 from aie_lessons.model import LlamaModel, apply_rope, rope_cos_sin, sdpa_attention
 from aie_lessons.tokenizer import Tokenizer
 
@@ -30,7 +29,6 @@ PARAMS = SamplingParams(max_new_tokens=12, ignore_eos=True)
 
 @pytest.fixture()
 def tiny(tiny_dir):
-    """A fresh model per test: building a FastDecoder re-points the model's weights."""
     return LlamaModel.from_pretrained(tiny_dir), Tokenizer.from_pretrained(tiny_dir)
 
 
@@ -38,35 +36,58 @@ def prompts(tokenizer: Tokenizer) -> list[list[int]]:
     return [tokenizer.encode("hello world"), tokenizer.encode("the quick brown fox jumps over")]
 
 
-def test_packing_keeps_the_model_and_stores_no_weight_twice(tiny):
+def test_packing_copies_the_weights_in_reading_order_and_leaves_the_model_alone(tiny):
     model, tokenizer = tiny
     ids = torch.tensor([prompts(tokenizer)[1]])
+    pointers = {name: p.data_ptr() for name, p in model.named_parameters()}
     with torch.inference_mode():
         before = model(ids)
     decoder = FastDecoder(model, compile=False)
+    assert {name: p.data_ptr() for name, p in model.named_parameters()} == pointers
+    assert model.embed_tokens.weight is model.lm_head.weight  # the tie is the model's business
     with torch.inference_mode():
         assert torch.equal(model(ids), before)
-    weights = [linear.weight for linear in decode_order(model)]
-    assert back_to_back(weights)  # one block, in the order a step reads them
-    assert weights[0].data_ptr() == decoder.block.data_ptr() and decoder.block.numel() == sum(w.numel() for w in weights)
-    assert model.embed_tokens.weight is model.lm_head.weight  # the tie survives the move
-    attn, fused = model.layers[0].self_attn, decoder.layers[0]
-    assert attn.q_proj.weight.data_ptr() == fused.qkv.data_ptr()
-    assert fused.qkv.shape == (attn.q_proj.out_features + 2 * attn.k_proj.out_features, attn.q_proj.in_features)
-    assert torch.equal(fused.qkv[-attn.v_proj.out_features:], attn.v_proj.weight)
-    assert torch.equal(fused.gate_up[model.config.intermediate_size:], model.layers[0].mlp.up_proj.weight)
-    again = FastDecoder(model, compile=False)  # a second decoder copies nothing
-    assert again.block.data_ptr() == decoder.block.data_ptr()
-    assert again.layers[0].gate_up.data_ptr() == fused.gate_up.data_ptr()
-    with torch.inference_mode():
-        assert torch.equal(model(ids), before)
+    groups = decode_groups(model)
+    matrices = [m for layer in decoder.layers for m in layer.tensors()[:4]] + [decoder.head]
+    assert len(matrices) == len(groups)
+    offset = decoder.block.data_ptr()
+    for matrix, group in zip(matrices, groups):  # back to back, in the order a step reads them
+        assert matrix.data_ptr() == offset and torch.equal(matrix, torch.cat(group))
+        offset += matrix.nbytes
+    assert offset == decoder.block.data_ptr() + decoder.block.nbytes
+    other = FastDecoder(model, compile=False)  # each decoder owns its copy
+    assert other.block.data_ptr() != decoder.block.data_ptr()
 
 
-def test_joining_unpacked_weights_is_refused_with_the_fix(tiny):
-    model, _ = tiny
-    attn = model.layers[0].self_attn
-    with pytest.raises(ValueError, match=r"pack_weights\(model\) first"):
-        joined([attn.q_proj, attn.k_proj, attn.v_proj])
+class TransposedDecoder(FastDecoder):
+    """Stores every matrix transposed and multiplies accordingly: both hooks must be used."""
+
+    def pack(self, model):
+        return [torch.cat(group).T.contiguous() for group in decode_groups(model)]
+
+    @staticmethod
+    def matvec(x, weight):
+        return x @ weight.float()
+
+
+def test_pack_and_matvec_can_be_overridden_without_editing_the_decoder(tiny_untied_dir):
+    model, tokenizer = LlamaModel.from_pretrained(tiny_untied_dir), Tokenizer.from_pretrained(tiny_untied_dir)
+    prompt = prompts(tokenizer)[1]
+    expected = generate_cached(model, tokenizer, [prompt], PARAMS)[0].token_ids
+    assert len(set(expected)) > 3, "the untied tiny model must produce varied tokens for this to mean anything"
+    decoder = TransposedDecoder(model, compile=False)
+    assert decoder.layers[0].qkv.shape[0] == model.config.hidden_size  # stored (K, N)
+    assert decoder.generate(tokenizer, prompt, PARAMS).token_ids == expected
+
+
+def test_sampled_decoding_matches_generate_cached_with_the_same_seed(tiny_untied_dir):
+    model, tokenizer = LlamaModel.from_pretrained(tiny_untied_dir), Tokenizer.from_pretrained(tiny_untied_dir)
+    prompt = prompts(tokenizer)[1]
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True, temperature=1.5, top_k=40, top_p=0.95,
+                            repetition_penalty=1.2, seed=3)
+    expected = generate_cached(model, tokenizer, [prompt], params)[0].token_ids
+    assert expected != generate_cached(model, tokenizer, [prompt], PARAMS)[0].token_ids  # really sampled
+    assert FastDecoder(model, compile=False).generate(tokenizer, prompt, params).token_ids == expected
 
 
 def huge_page_kib(address: int) -> int:
@@ -165,10 +186,10 @@ def test_tokens_come_one_step_at_a_time_and_stop_at_the_limit(tiny):
     prompt = prompts(tokenizer)[1]
     reference = generate_cached(model, tokenizer, [prompt], PARAMS)[0].token_ids
     decoder = FastDecoder(model, compile=False)
-    steps = decoder.tokens(prompt, PARAMS.max_new_tokens)
+    steps = decoder.tokens(prompt, PARAMS)
     assert [next(steps) for _ in range(3)] == reference[:3]  # a caller can pause between steps
     assert [*steps] == reference[3:]  # and the generator ends at max_new_tokens
-    assert [*decoder.tokens(prompt, 0)] == []
+    assert [*decoder.tokens(prompt, SamplingParams(max_new_tokens=0))] == []
 
 
 def test_zero_new_tokens_gives_none(tiny):
@@ -183,7 +204,7 @@ def test_too_long_request_is_refused_with_the_numbers(tiny):
     with pytest.raises(ContextLengthError, match=str(context)):
         FastDecoder(model, compile=False).generate(tokenizer, [1] * context, SamplingParams(max_new_tokens=5))
     with pytest.raises(ContextLengthError, match=str(context)):  # at the call, not at the first next()
-        FastDecoder(model, compile=False).tokens([1] * context, 5)
+        FastDecoder(model, compile=False).tokens([1] * context, SamplingParams(max_new_tokens=5))
 
 
 # Chat prompts whose greedy answers run 32 tokens, with the most steps decisive for bf16: a small

@@ -5,14 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from aie_lessons.generate import (
-    ContextLengthError,
-    SamplingParams,
-    StopStrings,
-    check_fits_context,
-    generate,
-    greedy_step,
-)
+from aie_lessons.generate import ContextLengthError, PromptError, check_fits_context, collect, generate
+from aie_lessons.output import StopStrings
+from aie_lessons.sampling import SamplingParams, greedy_step
 from aie_lessons.model import LlamaModel
 from aie_lessons.tokenizer import Tokenizer
 
@@ -61,8 +56,42 @@ def test_generate_refuses_a_prompt_longer_than_the_context(tiny):
 
 def test_generate_refuses_an_empty_prompt(tiny):
     model, tokenizer = tiny
-    with pytest.raises(ValueError, match="empty"):
+    with pytest.raises(PromptError, match="empty"):
         generate(model, tokenizer, [], SamplingParams(max_new_tokens=1))
+
+
+def test_generate_refuses_token_ids_outside_the_vocabulary(tiny):
+    model, tokenizer = tiny
+    vocab = model.config.vocab_size
+    with pytest.raises(PromptError, match=rf"\[{vocab}, -1\] are outside the vocabulary \(0 to {vocab - 1}\)"):
+        generate(model, tokenizer, [3, vocab, -1], SamplingParams(max_new_tokens=1))
+
+
+def test_the_model_refuses_a_cache_without_explicit_progress(tiny):
+    """Positions and the cache column are the caller's to say: nothing is derived from the cache."""
+    from aie_lessons.kv_cache import KVCache
+
+    model, _ = tiny
+    cache = KVCache(model.config, 1, 8)
+    ids = torch.tensor([[3, 4]])
+    with pytest.raises(ValueError, match="pass positions .* and cache_start"):
+        model(ids, cache=cache)
+    with pytest.raises(ValueError, match="cache_start"):
+        model(ids, torch.arange(2)[None], cache=cache)
+
+
+def test_collect_stops_each_stream_at_its_own_end(tiny):
+    """One row finishes early (a stop id); collect keeps feeding the other and stops when both end."""
+    from aie_lessons.output import OutputStream
+
+    _, tokenizer = tiny
+    params = SamplingParams(max_new_tokens=3)
+    streams = [OutputStream(tokenizer, [1], params, stop_ids={0}) for _ in range(2)]
+    steps = iter([[5, 6], [0, 7], [9, 8], [10, 11]])
+    results = collect(steps, streams)
+    assert [r.token_ids for r in results] == [[5], [6, 7, 8]]
+    assert [r.finish_reason for r in results] == ["eos", "length"]
+    assert next(steps) == [10, 11], "collect must stop asking for steps once every stream finished"
 
 
 def test_generate_matches_a_hand_written_greedy_loop(tiny):
@@ -72,7 +101,7 @@ def test_generate_matches_a_hand_written_greedy_loop(tiny):
     ids = list(prompt)
     with torch.inference_mode():
         for _ in range(len(result.token_ids)):
-            ids.append(int(model(torch.tensor([ids]))[0, -1].argmax()))
+            ids.append(int(model(torch.tensor([ids]))[0, -1].argmax()))  # positions default to 0…S-1
     assert result.token_ids == ids[len(prompt):]
     assert result.text == tokenizer.decode(result.token_ids)
     assert len(result.step_seconds) >= len(result.token_ids)

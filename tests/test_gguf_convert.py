@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 import torch
 
-from aie_lessons.gguf_convert import GGUFConversionError, hf_name, unpermute_rope_rows
+from aie_lessons.infra.gguf_convert import GGUFConversionError, hf_name, unpermute_rope_rows
 from aie_lessons.model import LlamaModel
-from aie_lessons.paths import DATA_DIR
+from aie_lessons.infra.paths import DATA_DIR
 from aie_lessons.tokenizer import Tokenizer
 
 PROSE = DATA_DIR / "prose" / "lighthouses.txt"

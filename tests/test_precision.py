@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from aie_lessons.model import Linear, LlamaModel
-from aie_lessons.paths import DATA_DIR
+from aie_lessons.infra.paths import DATA_DIR
 from aie_lessons.precision import agreement, teacher_forced_logits
 from aie_lessons.tokenizer import Tokenizer
 

@@ -5,9 +5,10 @@ from __future__ import annotations
 import nbformat
 import pytest
 
-from aie_lessons.course import build
+from aie_lessons.course import build, progress
 from aie_lessons.course.progress import (
     LEARNER_MARK,
+    CheckResult,
     ProgressError,
     commit,
     find_stage,
@@ -17,13 +18,15 @@ from aie_lessons.course.progress import (
     verify_committed_stages,
 )
 
+from test_course_build import SCHEDULER, fake_course
+
 pytestmark = pytest.mark.oracle  # the checks run on the real model
 
 
 @pytest.fixture
 def restore_package():
     """Whatever a test commits, the package is the reference again afterwards."""
-    saved = {p: p.read_text() for p in build.PACKAGE_DIR.glob("*.py")}
+    saved = {p: p.read_text() for p in build.PACKAGE_DIR.rglob("*.py") if build.generated_from(p)}
     yield
     for path, text in saved.items():
         path.write_text(text)
@@ -54,6 +57,32 @@ def test_commit_then_reset(tmp_path, restore_package):
     reset("02")
     assert not is_committed(stage)
     assert build.build(check=True) == []
+
+
+def test_status_shows_the_modules_of_each_stage(monkeypatch):
+    monkeypatch.setattr(progress, "run_checks_isolated", lambda number: [])
+    table, exports = status_table(), build.stage_module_table()
+    for stage in progress.stages():
+        if stage.exercises:
+            assert all(file in table for file in exports[stage.name]), stage.name
+
+
+def test_commit_and_reset_write_modules_of_subpackages(tmp_path, monkeypatch):
+    roots = fake_course(tmp_path, {"01_demo": [SCHEDULER]})
+    build.build(run=False, roots=roots)
+    monkeypatch.setattr(progress, "ROOTS", roots)
+    path = roots.package / "engine" / "scheduler.py"
+    nb = nbformat.read(roots.notebooks / "01_demo.ipynb", as_version=4)
+    nb.cells[0].source = nb.cells[0].source.replace("return 1", "return 2")
+    nbformat.write(nb, tmp_path / "01_demo.ipynb")
+    monkeypatch.setattr(progress, "run_checks_isolated", lambda number: [CheckResult("1.1", True)])
+    commit("01", tmp_path / "01_demo.ipynb")
+    assert path.read_text().startswith(LEARNER_MARK) and "return 2" in path.read_text()
+    assert is_committed(find_stage("01")[0])
+    path.unlink()
+    reset("01")
+    assert path.read_text() == find_stage("01")[1]["engine.scheduler"]
+    assert build.build(check=True, run=False, roots=roots) == ["solutions/01_demo.ipynb"]
 
 
 def test_wrong_code_is_refused_and_the_package_left_alone(tmp_path, restore_package):

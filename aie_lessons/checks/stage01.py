@@ -1,4 +1,4 @@
-"""Checks for stage 01: RMSNorm, RoPE, the greedy step and the streaming detokenizer."""
+"""Checks for stage 01: RMSNorm, RoPE, the greedy step, the streaming detokenizer, sampling."""
 
 from __future__ import annotations
 
@@ -199,3 +199,140 @@ def _is_complete_utf8(data: bytes) -> bool:
         return True
     except UnicodeDecodeError:
         return False
+
+
+# --- 1.5 repetition penalty -------------------------------------------------------------------
+
+
+def _penalized(logits: torch.Tensor, history: list[int], penalty: float) -> torch.Tensor:
+    """The rule written token by token: each distinct token in ``history`` once."""
+    out = logits.clone()
+    for token in set(history):
+        value = out[token].item()
+        out[token] = value / penalty if value > 0 else value * penalty
+    return out
+
+
+def check_repetition_penalty(apply_repetition_penalty) -> None:
+    g = _generator()
+    vocab, penalty = 30, 1.5
+    logits = torch.randn(vocab, generator=g) * 3
+    logits[4], logits[9] = 2.0, -2.0  # one positive and one negative token, each repeated
+    history = [4, 9, 4, 4, 17, 9, 0, 21]
+    original = logits.clone()
+    hint = "apply_repetition_penalty(logits (vocab,), history (n,) ids, penalty) returns new logits"
+    got = call("1.5", apply_repetition_penalty, logits, torch.tensor(history), penalty, hint=hint)
+    expect_shape("1.5", "the penalized logits", got, (vocab,))
+    if not torch.equal(logits, original):
+        fail("1.5", "you changed the caller's logits in place: return a new tensor (scatter, "
+                    "not scatter_, or clone first)")
+    expected = _penalized(logits, history, penalty)
+    if not close(got, expected):
+        mistakes = {
+            "a token that occurs several times was penalized several times: each distinct token "
+            "counts once": _repeated_penalty(logits, history, penalty),
+            "negative logits were divided by the penalty, which makes them *more* likely: "
+            "multiply a negative logit by the penalty": _divided_all(logits, history, penalty),
+            "positive logits were multiplied by the penalty, which makes them more likely: "
+            "divide a positive logit by the penalty": _penalized(logits, history, 1 / penalty),
+            "every token was penalized, not only those in history": _penalized(logits, range(vocab), penalty),
+        }
+        for message, wrong in mistakes.items():
+            if close(got, wrong):
+                fail("1.5", message)
+        changed = (got != logits).nonzero().flatten().tolist()
+        fail("1.5", f"expected only tokens {sorted(set(history))} to change (positive ones divided, "
+                    f"negative ones multiplied by {penalty}); yours changed tokens {changed}")
+    empty = call("1.5", apply_repetition_penalty, logits, torch.tensor([], dtype=torch.long), penalty, hint=hint)
+    if not torch.equal(empty, logits):
+        fail("1.5", "with an empty history nothing may change")
+    passed("1.5", "tokens seen before move down once each: positive logits ÷ penalty, negative × penalty")
+
+
+def _repeated_penalty(logits, history, penalty):
+    out = logits.clone()
+    for token in history:
+        out[token] = out[token] / penalty if out[token] > 0 else out[token] * penalty
+    return out
+
+
+def _divided_all(logits, history, penalty):
+    out = logits.clone()
+    out[list(set(history))] /= penalty
+    return out
+
+
+# --- 1.6 top-k and top-p ----------------------------------------------------------------------
+
+
+def _kept(row: torch.Tensor, top_k: int, top_p: float, p_before_k: bool = False,
+          p_includes_self: bool = False) -> set[int]:
+    """The token ids one row keeps, by the rules written as plain loops over a ranking."""
+    ranking = sorted(range(len(row)), key=lambda i: -row[i].item())
+
+    def by_k(ids):
+        if top_k <= 0 or top_k >= len(row):
+            return set(ids)
+        kth = row[ranking[top_k - 1]].item()
+        return {i for i in ids if row[i].item() >= kth}
+
+    def by_p(ids):
+        if top_p >= 1:
+            return set(ids)
+        ids = [i for i in ranking if i in ids]
+        weights = torch.softmax(row[ids].double(), dim=0).tolist()
+        kept, above = set(), 0.0
+        for i, w in zip(ids, weights):
+            if (above + w if p_includes_self else above) < top_p or not kept:
+                kept.add(i)
+            above += w
+        return kept
+
+    everything = set(range(len(row)))
+    return by_k(by_p(everything)) if p_before_k else by_p(by_k(everything))
+
+
+TOP_K_TOP_P_CASES = ((0, 1.0), (5, 1.0), (0, 0.6), (5, 0.6), (1, 1.0), (0, 0.02), (50, 1.0), (7, 0.95))
+
+
+def check_top_k_top_p(filter_top_k_top_p) -> None:
+    g = _generator()
+    batch, vocab = 3, 40
+    logits = torch.randn(batch, vocab, generator=g) * 2
+    logits[2, :6] = torch.tensor([5.0, 5.0, 4.0, 4.0, 4.0, 3.0])  # ties at the k-th best
+    hint = "filter_top_k_top_p(logits (B, vocab), top_k, top_p) returns logits of the same shape"
+    for top_k, top_p in TOP_K_TOP_P_CASES:
+        original = logits.clone()
+        got = call("1.6", filter_top_k_top_p, logits, top_k, top_p, hint=hint)
+        case = f"top_k={top_k}, top_p={top_p}"
+        expect_shape("1.6", f"the filtered logits ({case})", got, logits.shape)
+        if not torch.equal(logits, original):
+            fail("1.6", "you changed the caller's logits in place: use masked_fill, not masked_fill_")
+        removed = ~torch.isfinite(got)
+        if (got[~removed] != logits[~removed]).any() or (got[removed] != float("-inf")).any():
+            if ((got == 0) & (logits != 0)).any():
+                fail("1.6", f"({case}) removed tokens must get -inf, not 0: a logit of 0 still "
+                            "has probability after the softmax")
+            fail("1.6", f"({case}) kept tokens must keep their logits unchanged and removed ones "
+                        "must be -inf: return logits, not probabilities")
+        for row in range(batch):
+            kept = set(torch.isfinite(got[row]).nonzero().flatten().tolist())
+            expected = _kept(logits[row], top_k, top_p)
+            if kept == expected:
+                continue
+            if not kept:
+                fail("1.6", f"({case}) row {row} kept no token at all: the best token always stays")
+            if top_p < 1 and kept == _kept(logits[row], top_k, top_p, p_includes_self=True):
+                fail("1.6", f"({case}) top-p dropped the token that crosses p: keep a token while "
+                            "the tokens ranked *above* it hold less than p (exclusive cumulative sum)")
+            if top_p < 1 and top_k > 0 and kept == _kept(logits[row], top_k, top_p, p_before_k=True):
+                fail("1.6", f"({case}) top-p must rank the probabilities of the tokens top-k kept: "
+                            "apply top-k first, then the softmax and top-p")
+            if top_k > 0 and top_p >= 1 and len(kept) in (top_k - 1, top_k + 1) and len(expected) == top_k:
+                fail("1.6", f"({case}) kept {len(kept)} tokens instead of {top_k}: an off-by-one at "
+                            "the k-th best")
+            if top_k > 0 and len(kept) == top_k and len(expected) > top_k:
+                fail("1.6", f"({case}) tokens tied with the k-th best were dropped: keep every token "
+                            "whose logit is >= the k-th best (compare values, not ranks)")
+            fail("1.6", f"({case}) row {row} kept tokens {sorted(kept)}, expected {sorted(expected)}")
+    passed("1.6", f"top-k (ties kept) then top-p keep exactly the right tokens in {len(TOP_K_TOP_P_CASES)} cases")

@@ -16,20 +16,19 @@ def check_kv_cache(cache_cls, config) -> None:
     # again at the same address and make a copy look like an in-place write.
     original_keys = cache.keys
     keys_ptr = original_keys.data_ptr()
-    got_k, got_v = call("4.1", cache.update, 0, k1, v1)
+    got_k, got_v = call("4.1", cache.update, 0, k1, v1, 0)
     expect_shape("4.1", "the keys returned after the prefill", got_k, shape)
     if not (torch.equal(got_k, k1) and torch.equal(got_v, v1)):
         fail("4.1", "after the first update the cache should return exactly the k and v it was given")
-    cache.advance(3)
     k2, v2 = torch.randn(2, config.num_kv_heads, 1, config.head_dim), torch.randn(2, config.num_kv_heads, 1, config.head_dim)
-    got_k, got_v = call("4.1", cache.update, 0, k2, v2)
+    got_k, got_v = call("4.1", cache.update, 0, k2, v2, 3)
     if tuple(got_k.shape) == tuple(k2.shape):
         fail("4.1", "update returned only the new keys: return everything cached so far, "
-                    "positions 0 … length + new − 1, so the new query can attend to the past")
+                    "columns 0 … start + new − 1, so the new query can attend to the past")
     expect_shape("4.1", "the keys returned after one decode step", got_k, (2, config.num_kv_heads, 4, config.head_dim))
     if torch.equal(got_k[:, :, :1], k2):
-        fail("4.1", "the new keys were written at position 0, over the prompt: write them at "
-                    "positions length … length + new − 1")
+        fail("4.1", "the new keys were written at column 0, over the prompt: write them at "
+                    "columns start … start + new − 1")
     if not (torch.equal(got_k[:, :, :3], k1) and torch.equal(got_k[:, :, 3:], k2)
             and torch.equal(got_v[:, :, 3:], v2)):
         fail("4.1", "the returned history should be the prompt's keys followed by the new ones")
@@ -37,8 +36,15 @@ def check_kv_cache(cache_cls, config) -> None:
         fail("4.1", "the cache allocated new memory (torch.cat?): write into the preallocated "
                     "tensor in place and return a view of it")
     if not torch.equal(cache.keys[0, :, :, 3:4], k2):
-        fail("4.1", "the new keys are not stored in cache.keys[layer, :, :, length:length+new]")
-    passed("4.1", "new keys and values written in place after the old ones; history returned as a view")
+        fail("4.1", "the new keys are not stored in cache.keys[layer, :, :, start:start+new]")
+    # A new request reuses the cache from column 0: the history returned must end at its last
+    # write, whatever an earlier, longer request left behind.
+    k3, v3 = torch.randn(shape, generator=g), torch.randn(shape, generator=g)
+    got_k, got_v = call("4.1", cache.update, 0, k3, v3, 0)
+    if tuple(got_k.shape) != shape or not torch.equal(got_k, k3):
+        fail("4.1", "a write at start=0 must return columns 0 … new − 1 only, whatever was written "
+                    "before: use start, not a count of earlier writes")
+    passed("4.1", "new keys and values written in place at `start`; history returned as a view")
 
 
 def check_next_positions(next_positions) -> None:

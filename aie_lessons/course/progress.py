@@ -14,15 +14,16 @@ import io
 import json
 import subprocess
 import sys
+import textwrap
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
 import nbformat
 
-from aie_lessons.course.build import NOTEBOOKS_DIR, staged_modules, stage_sources
-from aie_lessons.course.source import Stage, checked_exercise, export_modules, load_stage
-from aie_lessons.paths import REPO_ROOT
+from aie_lessons.course.build import ROOTS, load_stages, stage_module_table, staged_modules
+from aie_lessons.course.source import PACKAGE, SourceError, Stage, checked_exercise, export_modules
+from aie_lessons.infra.paths import REPO_ROOT
 
 LEARNER_MARK = "# Generated from notebooks/"
 
@@ -39,22 +40,24 @@ class ProgressError(RuntimeError):
 
 
 def stages() -> list[Stage]:
-    return [load_stage(source) for source in stage_sources()]
+    return load_stages(ROOTS)
 
 
-def find_stage(number: str) -> tuple[Stage, dict[Path, str], dict[str, str]]:
-    """Stage ``number``, its reference module files, and the names earlier stages export."""
-    for stage, files, earlier in staged_modules(stages()):
+def find_stage(number: str) -> tuple[Stage, dict[str, str], dict[str, str]]:
+    """Stage ``number``, its reference modules (dotted name → text), and the names earlier stages
+    export (name → module)."""
+    for stage, modules, earlier in staged_modules(stages(), ROOTS):
         if stage.number == number:
-            return stage, files, earlier
+            return stage, modules, earlier
     raise ProgressError(f"there is no stage {number}: stages are "
                         f"{', '.join(s.number for s in stages())}")
 
 
 def is_committed(stage: Stage) -> bool:
     """True when the stage's modules hold the learner's code rather than the reference."""
-    _, files, _ = find_stage(stage.number)
-    return any(path.exists() and path.read_text().startswith(LEARNER_MARK) for path in files)
+    _, modules, _ = find_stage(stage.number)
+    paths = [ROOTS.module_path(module) for module in modules]
+    return any(path.exists() and path.read_text().startswith(LEARNER_MARK) for path in paths)
 
 
 # --- running a stage's checks ------------------------------------------------------------------
@@ -64,7 +67,7 @@ class _Fixtures(dict):
     """The objects check cells use besides exported names, created only when asked for."""
 
     def __missing__(self, key):
-        from aie_lessons.paths import default_model_dir
+        from aie_lessons.infra.paths import default_model_dir
 
         if key == "model":
             from aie_lessons.model import LlamaModel
@@ -90,9 +93,9 @@ def run_checks(stage: Stage) -> list[CheckResult]:
     from aie_lessons import checks
 
     namespace = _Fixtures(checks=checks)
-    _, files, _ = find_stage(stage.number)
-    for path in files:
-        module = importlib.import_module(f"aie_lessons.{path.stem}")
+    _, modules, _ = find_stage(stage.number)
+    for name in modules:
+        module = importlib.import_module(f"{PACKAGE}.{name}")
         namespace.update({k: v for k, v in vars(module).items() if not k.startswith("_")})
     results = []
     for cell in stage.notebook.cells:
@@ -125,7 +128,7 @@ def run_checks_isolated(number: str) -> list[CheckResult]:
 
 
 def learner_notebook_path(stage: Stage) -> Path:
-    return NOTEBOOKS_DIR / f"{stage.name}.ipynb"
+    return ROOTS.notebooks / f"{stage.name}.ipynb"
 
 
 def commit(number: str, notebook: Path | None = None) -> list[CheckResult]:
@@ -137,22 +140,26 @@ def commit(number: str, notebook: Path | None = None) -> list[CheckResult]:
                             "JupyterLab, do its exercises and save it first")
     cells = nbformat.read(notebook, as_version=4).cells
     try:
-        label = notebook.resolve().relative_to(REPO_ROOT).as_posix()
+        label = ROOTS.label(notebook.resolve())
     except ValueError:
         label = notebook.name
     if not label.startswith("notebooks/"):
         label = f"notebooks/{notebook.name}"
-    theirs = export_modules(cells, label, number, earlier)
-    missing = sorted(p.stem for p in expected if p.stem not in theirs)
+    try:
+        theirs = export_modules(cells, label, number, earlier)
+    except SourceError as exc:
+        raise ProgressError(f"{notebook.name} cannot be committed: {exc}") from exc
+    missing = sorted(module for module in expected if module not in theirs)
     if missing:
         raise ProgressError(
             f"{notebook.name} has no `# export: {missing[0]}` cell. Cells that start with "
             "`# export:` are what gets committed: restore the cell (git shows the original) "
             "and redo its exercise."
         )
-    backups = {path: path.read_text() if path.exists() else None for path in expected}
-    for path in expected:
-        path.write_text(theirs[path.stem])
+    paths = {module: ROOTS.module_path(module) for module in expected}
+    backups = {path: path.read_text() if path.exists() else None for path in paths.values()}
+    for module, path in paths.items():
+        write_module(path, theirs[module])
     results = run_checks_isolated(number)
     if not all(r.passed for r in results):
         for path, text in backups.items():
@@ -163,22 +170,37 @@ def commit(number: str, notebook: Path | None = None) -> list[CheckResult]:
     return results
 
 
+def write_module(path: Path, text: str) -> None:
+    """Write a module file; a module of a subpackage may be the first file of its folder."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+
+
 def reset(number: str) -> None:
     """Put the reference code of a stage back into the package."""
-    _, files, _ = find_stage(number)
-    for path, text in files.items():
-        path.write_text(text)
+    _, modules, _ = find_stage(number)
+    for module, text in modules.items():
+        write_module(ROOTS.module_path(module), text)
 
 
 def status_table() -> str:
+    """Each stage with exercises: whose code the package runs, the modules the stage exports,
+    how many of its checks pass and the first line of each failure."""
     lines = [f"{'stage':<20} {'code in aie_lessons':<20} {'checks':>7}"]
-    for stage in stages():
+    all_stages = stages()
+    exports = stage_module_table(all_stages, ROOTS)
+    for stage in all_stages:
         if not stage.exercises:
             continue
         owner = "yours (committed)" if is_committed(stage) else "reference"
         results = run_checks_isolated(stage.number)
         passed = sum(r.passed for r in results)
         lines.append(f"{stage.name:<20} {owner:<20} {passed:>3} / {len(results):<3}")
+        lines.append(textwrap.fill(
+            ", ".join(exports[stage.name]) or "no modules", width=100,
+            initial_indent="    exports ", subsequent_indent=" " * 12,
+            break_long_words=False, break_on_hyphens=False,
+        ))
         for r in results:
             if not r.passed:
                 lines.append(f"    {r.exercise}: {r.message.splitlines()[0][:110]}")

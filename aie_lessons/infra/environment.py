@@ -12,7 +12,7 @@ import platform
 import sys
 from pathlib import Path
 
-from aie_lessons.paths import default_model_dir
+from aie_lessons.infra.paths import default_model_dir
 
 # CPU features that decide which fast paths PyTorch's CPU kernels can take.
 CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile", "neon", "asimd")
