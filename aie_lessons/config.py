@@ -40,6 +40,8 @@ def refuse_unsupported(cfg: dict) -> None:
             continue  # Qwen-style configs carry a window size but switch it off
         if name == "no_rope_layers" and value and all(value):
             continue  # SmolLM3 lists 1 for every layer that does use RoPE: all of them is fine
+        if name == "no_rope_layer_interval" and "no_rope_layers" in cfg:
+            continue  # only the default for the list above, which was given and checked
         if value not in (None, False, 0, [], {}):
             raise UnsupportedConfigError(
                 f"config.json sets {name}={value!r} ({feature}), which this Llama model does not "

@@ -30,7 +30,7 @@ import torch
 
 from aie_lessons.cached_generate import generate_cached
 from aie_lessons.fast_decode import FastDecoder, huge_page_empty
-from aie_lessons.generate import SamplingParams
+from aie_lessons.sampling import SamplingParams
 from aie_lessons.model import LlamaModel
 from aie_lessons.infra.paths import default_model_dir
 from aie_lessons.tokenizer import Tokenizer
@@ -122,7 +122,8 @@ def interleaved_steps(fast_fp32: FastDecoder, fast_bf16: FastDecoder, prompt_ids
     fp32 step lies between two probes and each bf16 step follows the fp32 step at the same
     position by some tens of milliseconds.
     """
-    fp32_steps, bf16_steps = fast_fp32.tokens(prompt_ids, tokens), fast_bf16.tokens(prompt_ids, tokens)
+    params = SamplingParams(max_new_tokens=tokens, ignore_eos=True)
+    fp32_steps, bf16_steps = fast_fp32.tokens(prompt_ids, params), fast_bf16.tokens(prompt_ids, params)
     next(fp32_steps), next(bf16_steps)  # the prefills, not decode steps
     roofline_ratios, bf16_ratios = [], []
     before = probe.once()

@@ -93,6 +93,8 @@ def refuse_unsupported(cfg: dict) -> None:
             continue  # Qwen-style configs carry a window size but switch it off
         if name == "no_rope_layers" and value and all(value):
             continue  # SmolLM3 lists 1 for every layer that does use RoPE: all of them is fine
+        if name == "no_rope_layer_interval" and "no_rope_layers" in cfg:
+            continue  # only the default for the list above, which was given and checked
         if value not in (None, False, 0, [], {}):
             raise UnsupportedConfigError(
                 f"config.json sets {name}={value!r} ({feature}), which this Llama model does not "
@@ -799,6 +801,8 @@ class SamplingParams:
         for name, (value, allowed) in integers.items():
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise SamplingParamsError(f"{name}={value!r} is invalid: it must be {allowed}.")
+        if not all(isinstance(text, str) for text in self.stop):
+            raise SamplingParamsError(f"stop={self.stop!r} is invalid: it must hold strings only.")
         numbers = {
             "temperature": (self.temperature, self.temperature >= 0, "a number ≥ 0 (0 = greedy)"),
             "top_p": (self.top_p, 0 < self.top_p <= 1, "a number in (0, 1] (1 = keep all)"),
@@ -806,7 +810,8 @@ class SamplingParams:
                                    "a number > 0 (1 = no penalty)"),
         }
         for name, (value, in_range, allowed) in numbers.items():
-            if not isinstance(value, (int, float)) or not math.isfinite(value) or not in_range:
+            is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
+            if not is_number or not math.isfinite(value) or not in_range:
                 raise SamplingParamsError(f"{name}={value!r} is invalid: it must be {allowed}.")
         if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
             raise SamplingParamsError(f"seed={self.seed!r} is invalid: it must be an integer or None.")
@@ -936,7 +941,9 @@ def filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.
         logits = logits.masked_fill(logits < kth_best, float("-inf"))
     if top_p < 1.0:
         ranked, order = logits.sort(dim=-1, descending=True)
-        probs = ranked.softmax(dim=-1)
+        # float64: a float32 running sum over thousands of tokens drifts by ~1e-5 and would
+        # drop tokens right at the boundary that the exact rule keeps
+        probs = ranked.softmax(dim=-1, dtype=torch.float64)
         above = probs.cumsum(dim=-1) - probs  # probability held by the better-ranked tokens
         drop = (above >= top_p).scatter(-1, order, above >= top_p)
         logits = logits.masked_fill(drop, float("-inf"))

@@ -8,7 +8,7 @@ import torch
 
 from aie_lessons.checks import stage01 as checks
 from aie_lessons.model import apply_rope, rms_norm, rotate_half
-from aie_lessons.sampling import greedy_step
+from aie_lessons.sampling import apply_repetition_penalty, filter_top_k_top_p, greedy_step
 from aie_lessons.tokenizer import StreamingDetokenizer, Tokenizer
 
 from check_expect import names_the_mistake
@@ -115,6 +115,213 @@ def test_streaming_detokenizer_check_names_the_mistake(tiny_dir, wrong, message)
     tokenizer = Tokenizer.from_pretrained(tiny_dir)
     with names_the_mistake("1.4", message):
         checks.check_streaming_detokenizer(wrong, tokenizer)
+
+
+# --- 1.5 repetition penalty: wrong implementations -------------------------------------------
+
+
+def penalty_rule(seen, penalty):
+    return torch.where(seen > 0, seen / penalty, seen * penalty)
+
+
+def rp_once_per_occurrence(logits, history, penalty):
+    out = logits.clone()
+    for token in history.tolist():
+        out[token] = penalty_rule(out[token], penalty)
+    return out
+
+
+def rp_changes_added_up(logits, history, penalty):
+    seen = logits[history]
+    return logits.index_put((history,), penalty_rule(seen, penalty) - seen, accumulate=True)
+
+
+def rp_divide_all(logits, history, penalty):
+    out = logits.clone()
+    out[history] = logits[history] / penalty
+    return out
+
+
+def rp_multiply_all(logits, history, penalty):
+    out = logits.clone()
+    out[history] = logits[history] * penalty
+    return out
+
+
+def rp_backwards(logits, history, penalty):
+    seen = logits[history]
+    out = logits.clone()
+    out[history] = torch.where(seen > 0, seen * penalty, seen / penalty)
+    return out
+
+
+def rp_in_place(logits, history, penalty):
+    logits[history] = penalty_rule(logits[history], penalty)
+    return logits
+
+
+def rp_scatter_in_place(logits, history, penalty):
+    return logits.scatter_(-1, history, penalty_rule(logits.gather(-1, history), penalty))
+
+
+def rp_everything(logits, history, penalty):
+    return penalty_rule(logits, penalty)
+
+
+def rp_subtract(logits, history, penalty):
+    out = logits.clone()
+    out[history] = logits[history] - penalty
+    return out
+
+
+@pytest.mark.parametrize("wrong, message", [
+    (rp_once_per_occurrence, "penalized several times"),
+    (rp_changes_added_up, "penalized several times"),
+    (rp_divide_all, "negative logits were divided"),
+    (rp_multiply_all, "positive logits were multiplied"),
+    (rp_backwards, "the rule is backwards"),
+    (rp_in_place, "changed the caller's logits in place"),
+    (rp_scatter_in_place, "in place: return a new tensor"),
+    (rp_everything, "every token was penalized"),
+    (rp_subtract, "subtracted the penalty"),
+    (lambda logits, history, penalty: logits.clone(), "no logit changed"),
+    (lambda logits, history, penalty: logits[None], "shape \\(30,\\)"),
+])
+def test_repetition_penalty_check_names_the_mistake(wrong, message):
+    with names_the_mistake("1.5", message):
+        checks.check_repetition_penalty(wrong)
+
+
+# --- 1.6 top-k and top-p: wrong implementations ----------------------------------------------
+
+NEG_INF = float("-inf")
+
+
+def keep_top_k(logits, top_k, *, offset=0, strict=False):
+    k = top_k + offset
+    if 0 < top_k < logits.shape[-1] and k > 0:
+        kth = logits.topk(k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits <= kth if strict else logits < kth, NEG_INF)
+    return logits
+
+
+def keep_top_p(logits, top_p, *, inclusive=False, scatter_back=True, sort=True):
+    if top_p >= 1.0:
+        return logits
+    ranked, order = logits.sort(dim=-1, descending=True) if sort else (logits, None)
+    probs = ranked.softmax(dim=-1)
+    above = probs.cumsum(dim=-1) - (0 if inclusive else probs)
+    drop = above >= top_p
+    drop[..., 0] = False
+    if sort and scatter_back:
+        drop = drop.scatter(-1, order, drop)
+    return logits.masked_fill(drop, NEG_INF)
+
+
+def tkp_inclusive_cumsum(logits, top_k, top_p):
+    return keep_top_p(keep_top_k(logits, top_k), top_p, inclusive=True)
+
+
+def tkp_top_p_before_top_k(logits, top_k, top_p):
+    return keep_top_k(keep_top_p(logits, top_p), top_k)
+
+
+def tkp_top_p_over_the_full_row(logits, top_k, top_p):
+    nucleus = torch.isfinite(keep_top_p(logits, top_p))
+    return keep_top_k(logits, top_k).masked_fill(~nucleus, NEG_INF)
+
+
+def tkp_k_plus_one(logits, top_k, top_p):
+    return keep_top_p(keep_top_k(logits, top_k, offset=1), top_p)
+
+
+def tkp_k_minus_one(logits, top_k, top_p):
+    return keep_top_p(keep_top_k(logits, top_k, offset=-1), top_p)
+
+
+def tkp_strictly_above_kth(logits, top_k, top_p):
+    return keep_top_p(keep_top_k(logits, top_k, strict=True), top_p)
+
+
+def tkp_ties_dropped(logits, top_k, top_p):
+    if 0 < top_k < logits.shape[-1]:
+        keep = torch.zeros_like(logits, dtype=torch.bool).scatter(-1, logits.topk(top_k, dim=-1).indices, True)
+        logits = logits.masked_fill(~keep, NEG_INF)
+    return keep_top_p(logits, top_p)
+
+
+def tkp_reference(logits, top_k, top_p):
+    return keep_top_p(keep_top_k(logits, top_k), top_p)
+
+
+def tkp_zeros(logits, top_k, top_p):
+    kept = torch.isfinite(tkp_reference(logits, top_k, top_p))
+    return logits.masked_fill(~kept, 0.0)
+
+
+def tkp_probabilities(logits, top_k, top_p):
+    return tkp_reference(logits, top_k, top_p).softmax(dim=-1)
+
+
+def tkp_masked_fill_in_place(logits, top_k, top_p):
+    kept = torch.isfinite(tkp_reference(logits, top_k, top_p))
+    return logits.masked_fill_(~kept, NEG_INF)
+
+
+def tkp_kth_over_the_batch(logits, top_k, top_p):
+    if 0 < top_k < logits.shape[-1]:
+        logits = logits.masked_fill(logits < logits.flatten().topk(top_k).values[-1], NEG_INF)
+    return keep_top_p(logits, top_p)
+
+
+def tkp_sorted_mask_not_scattered(logits, top_k, top_p):
+    return keep_top_p(keep_top_k(logits, top_k), top_p, scatter_back=False)
+
+
+def tkp_cumsum_in_token_order(logits, top_k, top_p):
+    return keep_top_p(keep_top_k(logits, top_k), top_p, sort=False)
+
+
+def tkp_top_k_zero_not_special(logits, top_k, top_p):
+    kth = logits.topk(top_k, dim=-1).values[..., -1:]
+    return keep_top_p(logits.masked_fill(logits < kth, NEG_INF), top_p)
+
+
+def tkp_kth_without_keepdim(logits, top_k, top_p):
+    if 0 < top_k < logits.shape[-1]:
+        logits = logits.masked_fill(logits < logits.topk(top_k, dim=-1).values[..., -1], NEG_INF)
+    return keep_top_p(logits, top_p)
+
+
+@pytest.mark.parametrize("wrong, message", [
+    (tkp_inclusive_cumsum, "top-p dropped the token that crosses p.*exclusive cumulative sum"),
+    (tkp_top_p_before_top_k, "apply top-k first"),
+    (tkp_top_p_over_the_full_row, "apply top-k first"),
+    (tkp_k_plus_one, "kept 6 tokens instead of 5: an off-by-one"),
+    (tkp_k_minus_one, "kept 4 tokens instead of 5: an off-by-one"),
+    (tkp_strictly_above_kth, "off-by-one at the k-th best"),
+    (tkp_ties_dropped, "tied with the k-th best were dropped"),
+    (tkp_zeros, "-inf, not 0"),
+    (tkp_probabilities, "return logits, not probabilities"),
+    (tkp_masked_fill_in_place, "in place: use masked_fill, not masked_fill_"),
+    (tkp_kth_over_the_batch, "k-th best was taken over the whole batch"),
+    (lambda logits, top_k, top_p: keep_top_k(logits, top_k), "top_p was ignored"),
+    (lambda logits, top_k, top_p: keep_top_p(logits, top_p), "top_k was ignored"),
+    (tkp_sorted_mask_not_scattered, "still in sorted order: scatter it back"),
+    (tkp_cumsum_in_token_order, "summed in token-id order"),
+    (tkp_top_k_zero_not_special, "raised RuntimeError.*top_k=0, top_p=1.0.*top_k=0 means no top-k limit"),
+    (tkp_kth_without_keepdim, "raised RuntimeError.*\\(B, 1\\) column"),
+])
+def test_top_k_top_p_check_names_the_mistake(wrong, message):
+    with names_the_mistake("1.6", message):
+        checks.check_top_k_top_p(wrong)
+
+
+def test_sampling_reference_implementations_pass(capsys):
+    checks.check_repetition_penalty(apply_repetition_penalty)
+    checks.check_top_k_top_p(filter_top_k_top_p)
+    checks.check_top_k_top_p(tkp_reference)  # the helpers the mutants are built from are right
+    assert capsys.readouterr().out.count("passed") == 3
 
 
 def test_not_implemented_passes_through_with_its_own_message():

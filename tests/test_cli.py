@@ -66,19 +66,42 @@ def test_chat_answer_about_france(real_model_dir):
     assert "Paris" in out.stdout
 
 
-def test_cached_uncached_and_compiled_generation_agree(tiny_dir):
-    args = ("generate", "The quick", "--model", str(tiny_dir), "--max-new-tokens", "10", "--json")
+def test_the_three_loops_agree(tiny_untied_dir):
+    args = ("generate", "The quick", "--model", str(tiny_untied_dir), "--max-new-tokens", "10", "--json")
     cached = json.loads(run(*args).stdout)
-    for other in ("--no-cache", "--compile"):
-        result = json.loads(run(*args, other).stdout)
-        assert (result["token_ids"], result["text"]) == (cached["token_ids"], cached["text"]), other
+    assert len(set(cached["token_ids"])) > 3, "the model must produce varied tokens for this to mean anything"
+    for loop in ("skeleton", "compiled"):
+        result = json.loads(run(*args, "--loop", loop).stdout)
+        assert (result["token_ids"], result["text"]) == (cached["token_ids"], cached["text"]), loop
 
 
-def test_no_cache_and_compile_are_refused_together(tiny_dir):
-    out = run("generate", "x", "--model", str(tiny_dir), "--no-cache", "--compile")
-    assert out.returncode != 0 and "exclude each other" in out.stderr
+def test_sampling_flags_sample_reproducibly(tiny_untied_dir):
+    args = ("generate", "The quick", "--model", str(tiny_untied_dir), "--max-new-tokens", "10", "--json",
+            "--temperature", "1.5", "--top-k", "50", "--top-p", "0.95", "--repetition-penalty", "1.1")
+    greedy = json.loads(run(*args[:7]).stdout)["token_ids"]
+    first, again = (json.loads(run(*args, "--seed", "5").stdout)["token_ids"] for _ in range(2))
+    other = json.loads(run(*args, "--seed", "6").stdout)["token_ids"]
+    assert first == again and first != greedy and other != first
 
 
-def test_compile_with_bf16_activations_is_refused(tiny_dir):
-    out = run("generate", "x", "--model", str(tiny_dir), "--compile", "--activations", "bfloat16")
-    assert out.returncode != 0 and "--compile computes in float32" in out.stderr
+@pytest.mark.parametrize("flag, value, field", [
+    ("--temperature", "-1", "temperature"),
+    ("--top-p", "0", "top_p"),
+    ("--top-k", "-3", "top_k"),
+    ("--repetition-penalty", "0", "repetition_penalty"),
+    ("--max-new-tokens", "-1", "max_new_tokens"),
+])
+def test_invalid_sampling_values_are_refused_with_the_field(tiny_dir, flag, value, field):
+    out = run("generate", "x", "--model", str(tiny_dir), flag, value)
+    assert out.returncode == 2 and f"{field}={value}" in out.stderr and "must be" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_unknown_loop_is_refused(tiny_dir):
+    out = run("generate", "x", "--model", str(tiny_dir), "--loop", "fast")
+    assert out.returncode != 0 and "invalid choice: 'fast'" in out.stderr
+
+
+def test_compiled_loop_with_bf16_activations_is_refused(tiny_dir):
+    out = run("generate", "x", "--model", str(tiny_dir), "--loop", "compiled", "--activations", "bfloat16")
+    assert out.returncode != 0 and "--loop compiled computes in float32" in out.stderr

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from aie_lessons.generate import SamplingParams, generate
+from aie_lessons.generate import generate
+from aie_lessons.sampling import SamplingParams
 from aie_lessons.model import LlamaModel
 from aie_lessons.tokenizer import Tokenizer
 

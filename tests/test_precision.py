@@ -14,6 +14,7 @@ from aie_lessons.infra.paths import DATA_DIR
 from aie_lessons.precision import agreement, teacher_forced_logits
 from aie_lessons.tokenizer import Tokenizer
 
+from stepwise import prefill_then_decode
 from low_precision import decisive_steps, logit_tolerance, margin_tolerance
 
 
@@ -83,13 +84,12 @@ def test_cached_bf16_generation_keeps_a_bf16_cache_and_fp32_arithmetic(tiny_unti
     seen = projection_input_dtypes(model)
     ids = torch.arange(3, 15)[None]
     with torch.inference_mode():
-        cache = KVCache(model.config, 1, 12, dtype=torch.bfloat16)
-        parts = [model(ids[:, :5], cache=cache)] + [model(ids[:, i:i + 1], cache=cache) for i in range(5, 12)]
+        stepwise = prefill_then_decode(model, ids, KVCache(model.config, 1, 12, dtype=torch.bfloat16), prefill=5)
         full = model(ids)
     assert seen == {torch.float32}
     # The cache rounds k and v to bf16 where the full pass keeps them fp32: close, not equal.
     scale = full.abs().max().item()
-    assert (torch.cat(parts, dim=1) - full).abs().max().item() <= logit_tolerance(torch.bfloat16, scale)
+    assert (stepwise - full).abs().max().item() <= logit_tolerance(torch.bfloat16, scale)
 
 
 def test_agreement_of_identical_logits_is_perfect_and_kl_is_the_textbook_value():

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from aie_lessons.checks import stage03 as checks
-from aie_lessons.generate import SamplingParams, generate
+from aie_lessons.generate import generate
+from aie_lessons.sampling import SamplingParams
 from aie_lessons.masks import attention_mask, causal_mask, to_additive
 from aie_lessons.model import LlamaModel
 from aie_lessons.padded_batch import PaddedBatch, generate_batch, left_pad

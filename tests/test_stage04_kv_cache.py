@@ -8,14 +8,16 @@ import torch
 from aie_lessons.cached_generate import generate_cached, next_positions
 from aie_lessons.checks import stage04 as checks
 from aie_lessons.config import ModelConfig
-from aie_lessons.generate import ContextLengthError, SamplingParams, generate
+from aie_lessons.generate import ContextLengthError, generate
 from aie_lessons.kv_cache import CacheFullError, KVCache, kv_cache_bytes
 from aie_lessons.model import LlamaModel
 from aie_lessons.padded_batch import generate_batch
 from aie_lessons.precision import Agreement, agreement
+from aie_lessons.sampling import SamplingParams
 from aie_lessons.tokenizer import Tokenizer
 
 from check_expect import names_the_mistake
+from stepwise import chunked_logits, prefill_then_decode
 
 
 @pytest.fixture(scope="module")
@@ -54,10 +56,8 @@ def test_prefill_then_decode_equals_full_recompute(tiny):
     ids = torch.arange(3, 23)[None]
     with torch.inference_mode():
         full = model(ids)
-        cache = KVCache(model.config, 1, 20)
-        parts = [model(ids[:, :7], cache=cache)]
-        parts += [model(ids[:, i:i + 1], cache=cache) for i in range(7, 20)]
-    assert torch.allclose(torch.cat(parts, dim=1), full, atol=1e-5)
+        stepwise = prefill_then_decode(model, ids, KVCache(model.config, 1, 20), prefill=7)
+    assert torch.allclose(stepwise, full, atol=1e-5)
 
 
 def test_chunked_prefill_uses_the_bottom_right_causal_mask(tiny):
@@ -65,29 +65,29 @@ def test_chunked_prefill_uses_the_bottom_right_causal_mask(tiny):
     model, _ = tiny
     ids = torch.arange(3, 13)[None]
     with torch.inference_mode():
-        cache = KVCache(model.config, 1, 10)
-        chunks = torch.cat([model(ids[:, :5], cache=cache), model(ids[:, 5:], cache=cache)], dim=1)
+        chunks = chunked_logits(model, ids, KVCache(model.config, 1, 10), [5, 10])
         assert torch.allclose(chunks, model(ids), atol=1e-5)
 
 
-def test_cache_writes_in_place_and_resets(tiny):
+def test_cache_writes_in_place_and_a_new_request_starts_again_at_zero(tiny):
     model, _ = tiny
     cache = KVCache(model.config, 1, 16)
     pointer = cache.keys.data_ptr()
+    first, second = torch.arange(3, 9)[None], torch.arange(20, 24)[None]
     with torch.inference_mode():
-        model(torch.arange(3, 9)[None], cache=cache)
-        assert cache.length == 6 and cache.keys.data_ptr() == pointer
-        cache.reset()
-        model(torch.arange(3, 5)[None], cache=cache)
-    assert cache.length == 2 and cache.keys.data_ptr() == pointer
+        chunked_logits(model, first, cache, [6])
+        assert cache.keys.data_ptr() == pointer and cache.keys[:, :, :, 5].abs().sum() > 0
+        reused = chunked_logits(model, second, cache, [2, 3, 4])  # the old entries are overwritten
+        fresh = chunked_logits(model, second, KVCache(model.config, 1, 16), [2, 3, 4])
+    assert cache.keys.data_ptr() == pointer and torch.equal(reused, fresh)
 
 
 def test_full_cache_is_refused_with_the_numbers(tiny):
     model, _ = tiny
     cache = KVCache(model.config, 1, 4)
-    with pytest.raises(CacheFullError, match=r"holds 4 positions; 0 are used and 6 more.*max_len ≥"), \
+    with pytest.raises(CacheFullError, match=r"holds 4 positions; 6 were written at column 0.*max_len ≥"), \
             torch.inference_mode():
-        model(torch.arange(3, 9)[None], cache=cache)
+        chunked_logits(model, torch.arange(3, 9)[None], cache, [6])
 
 
 def test_too_long_request_is_refused_not_truncated(tiny):
@@ -123,32 +123,57 @@ def test_real_model_cached_batch_matches_plain_batch(real_model_dir):
 class ConcatCache(KVCache):
     """Allocates a new tensor every step instead of writing in place."""
 
-    def update(self, layer, k, v):
-        end = self.length + k.shape[2]
+    def update(self, layer, k, v, start):
+        end = start + k.shape[2]
         self.keys = self.keys.clone()
-        self.keys[layer, :, :, self.length:end] = k
-        self.values[layer, :, :, self.length:end] = v
+        self.keys[layer, :, :, start:end] = k
+        self.values[layer, :, :, start:end] = v
         return self.keys[layer, :, :, :end], self.values[layer, :, :, :end]
 
 
 class NewOnlyCache(KVCache):
-    def update(self, layer, k, v):
-        super().update(layer, k, v)
+    def update(self, layer, k, v, start):
+        super().update(layer, k, v, start)
         return k, v
 
 
 class AtZeroCache(KVCache):
-    def update(self, layer, k, v):
+    def update(self, layer, k, v, start):
         n = k.shape[2]
         self.keys[layer, :, :, :n] = k
         self.values[layer, :, :, :n] = v
-        return self.keys[layer, :, :, : self.length + n], self.values[layer, :, :, : self.length + n]
+        return self.keys[layer, :, :, : start + n], self.values[layer, :, :, : start + n]
+
+
+class CountingCache(KVCache):
+    """Ignores ``start`` and keeps its own count, as the cache did before progress moved out."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.count = 0
+
+    def update(self, layer, k, v, start):
+        end = self.count + k.shape[2]
+        self.keys[layer, :, :, self.count:end] = k
+        self.values[layer, :, :, self.count:end] = v
+        self.count = end
+        return self.keys[layer, :, :, :end], self.values[layer, :, :, :end]
+
+
+class OneColumnShortCache(KVCache):
+    def update(self, layer, k, v, start):
+        end = start + k.shape[2]
+        self.keys[layer, :, :, start:end] = k
+        self.values[layer, :, :, start:end] = v
+        return self.keys[layer, :, :, :end - 1], self.values[layer, :, :, :end - 1]
 
 
 @pytest.mark.parametrize("wrong, message", [
     (ConcatCache, "allocated new memory"),
     (NewOnlyCache, "returned only the new keys"),
-    (AtZeroCache, "written at position 0"),
+    (AtZeroCache, "written at column 0"),
+    (CountingCache, "use start, not a count"),
+    (OneColumnShortCache, "shape"),
 ])
 def test_kv_cache_check_names_the_mistake(tiny_dir, wrong, message):
     with names_the_mistake("4.1", message):
@@ -203,3 +228,43 @@ def test_reference_implementations_pass(tiny_dir):
     checks.check_kv_cache(KVCache, ModelConfig.from_json(tiny_dir))
     checks.check_next_positions(next_positions)
     checks.check_agreement(agreement)
+
+
+def test_a_cache_reading_backend_gets_the_new_keys_and_the_cache_itself(tiny_untied_dir):
+    """The stage-07 hook: a backend registered with reads_cache=True stores and reads the cache."""
+    from aie_lessons.model import ATTENTION_BACKENDS, CACHE_READING_BACKENDS, register_attention_backend, sdpa_attention
+
+    calls = []
+
+    @register_attention_backend("reads-cache-test", reads_cache=True)
+    def reading(q, k, v, mask=None, *, cache, layer, start):
+        calls.append((k.shape[2], layer, start))
+        keys, values = cache.update(layer, k, v, start)  # a paged backend would read blocks here
+        return sdpa_attention(q, keys, values, mask=mask)
+
+    try:
+        model = LlamaModel.from_pretrained(tiny_untied_dir)
+        ids = torch.arange(3, 15)[None]
+        with torch.inference_mode():
+            expected = prefill_then_decode(model, ids, KVCache(model.config, 1, 12), prefill=5)
+            model.set_attention_backend("reads-cache-test")
+            got = prefill_then_decode(model, ids, KVCache(model.config, 1, 12), prefill=5)
+    finally:
+        ATTENTION_BACKENDS.pop("reads-cache-test")
+        CACHE_READING_BACKENDS.discard("reads-cache-test")
+    assert torch.allclose(got, expected, atol=1e-6)
+    layers = model.config.num_layers
+    assert calls[:layers] == [(5, i, 0) for i in range(layers)]  # the prefill: 5 new keys at column 0
+    assert calls[layers:2 * layers] == [(1, i, 5) for i in range(layers)]  # then one at a time
+
+
+def test_reregistering_a_backend_without_reads_cache_clears_the_flag():
+    from aie_lessons.model import ATTENTION_BACKENDS, CACHE_READING_BACKENDS, register_attention_backend
+
+    try:
+        register_attention_backend("flag-test", reads_cache=True)(lambda q, k, v, mask=None, **_: q)
+        register_attention_backend("flag-test")(lambda q, k, v, mask=None: q)
+        assert "flag-test" not in CACHE_READING_BACKENDS
+    finally:
+        ATTENTION_BACKENDS.pop("flag-test", None)
+        CACHE_READING_BACKENDS.discard("flag-test")

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 import aie_lessons.flash_attention as flash
 from aie_lessons.checks import stage05 as checks
-from aie_lessons.generate import SamplingParams
+from aie_lessons.sampling import SamplingParams
 from aie_lessons.cached_generate import generate_cached
 from aie_lessons.model import LlamaModel
 from aie_lessons.tokenizer import Tokenizer

@@ -217,7 +217,8 @@ def check_repetition_penalty(apply_repetition_penalty) -> None:
     g = _generator()
     vocab, penalty = 30, 1.5
     logits = torch.randn(vocab, generator=g) * 3
-    logits[4], logits[9] = 2.0, -2.0  # one positive and one negative token, each repeated
+    # Seen tokens of both signs, once and several times: 4 (+, ×3), 9 (−, ×2), 17 (+), 21 (−).
+    logits[4], logits[9], logits[17], logits[21] = 2.0, -2.0, 3.0, -1.5
     history = [4, 9, 4, 4, 17, 9, 0, 21]
     original = logits.clone()
     hint = "apply_repetition_penalty(logits (vocab,), history (n,) ids, penalty) returns new logits"
@@ -228,38 +229,49 @@ def check_repetition_penalty(apply_repetition_penalty) -> None:
                     "not scatter_, or clone first)")
     expected = _penalized(logits, history, penalty)
     if not close(got, expected):
-        mistakes = {
-            "a token that occurs several times was penalized several times: each distinct token "
-            "counts once": _repeated_penalty(logits, history, penalty),
-            "negative logits were divided by the penalty, which makes them *more* likely: "
-            "multiply a negative logit by the penalty": _divided_all(logits, history, penalty),
-            "positive logits were multiplied by the penalty, which makes them more likely: "
-            "divide a positive logit by the penalty": _penalized(logits, history, 1 / penalty),
-            "every token was penalized, not only those in history": _penalized(logits, range(vocab), penalty),
-        }
-        for message, wrong in mistakes.items():
-            if close(got, wrong):
-                fail("1.5", message)
-        changed = (got != logits).nonzero().flatten().tolist()
-        fail("1.5", f"expected only tokens {sorted(set(history))} to change (positive ones divided, "
-                    f"negative ones multiplied by {penalty}); yours changed tokens {changed}")
+        _explain_repetition_penalty(got.float(), logits, history, penalty)
     empty = call("1.5", apply_repetition_penalty, logits, torch.tensor([], dtype=torch.long), penalty, hint=hint)
     if not torch.equal(empty, logits):
         fail("1.5", "with an empty history nothing may change")
     passed("1.5", "tokens seen before move down once each: positive logits ÷ penalty, negative × penalty")
 
 
-def _repeated_penalty(logits, history, penalty):
-    out = logits.clone()
-    for token in history:
-        out[token] = out[token] / penalty if out[token] > 0 else out[token] * penalty
-    return out
+def _explain_repetition_penalty(got, logits, history, penalty) -> None:
+    """Fail with the mistake that explains ``got``, judged token by token."""
+    seen = sorted(set(history))
+    unseen = [t for t in range(len(logits)) if t not in seen]
+    moved = [t for t in unseen if not close(got[t:t + 1], logits[t:t + 1])]
+    if moved:
+        if len(moved) == len(unseen):
+            fail("1.5", "every token was penalized, not only those in history")
+        fail("1.5", f"tokens {moved} are not in history but changed: penalize only history's tokens")
+    if close(got, logits):
+        fail("1.5", f"no logit changed: the tokens in history ({seen}) must be penalized")
 
+    def matches(tokens, rule):
+        return all(close(got[t:t + 1], rule(logits[t:t + 1])) for t in tokens)
 
-def _divided_all(logits, history, penalty):
-    out = logits.clone()
-    out[list(set(history))] /= penalty
-    return out
+    once = [t for t in seen if history.count(t) == 1]
+    positive, negative = [t for t in once if logits[t] > 0], [t for t in once if logits[t] < 0]
+    divided, multiplied = (lambda v: v / penalty), (lambda v: v * penalty)
+    if matches(positive, divided) and matches(negative, multiplied):
+        fail("1.5", "a token that occurs several times was penalized several times (or its "
+                    "changes added up): each distinct token counts once")
+    if matches(once, lambda v: v - penalty):
+        fail("1.5", "you subtracted the penalty: it scales the logit. Divide a positive logit "
+                    "by the penalty, multiply a negative one")
+    if matches(positive, multiplied) and matches(negative, divided):
+        fail("1.5", "the rule is backwards: divide a positive logit by the penalty and multiply "
+                    "a negative one, so that both move down")
+    if matches(negative, divided):
+        fail("1.5", "negative logits were divided by the penalty, which makes them *more* likely: "
+                    "multiply a negative logit by the penalty")
+    if matches(positive, multiplied):
+        fail("1.5", "positive logits were multiplied by the penalty, which makes them more likely: "
+                    "divide a positive logit by the penalty")
+    wrong = [t for t in seen if not close(got[t:t + 1], _penalized(logits, history, penalty)[t:t + 1])]
+    fail("1.5", f"tokens {wrong} have the wrong value: a seen token's logit is divided by "
+                f"{penalty} if positive and multiplied by {penalty} if negative, once")
 
 
 # --- 1.6 top-k and top-p ----------------------------------------------------------------------
@@ -292,6 +304,28 @@ def _kept(row: torch.Tensor, top_k: int, top_p: float, p_before_k: bool = False,
     return by_k(by_p(everything)) if p_before_k else by_p(by_k(everything))
 
 
+def _kept_with_batch_kth(logits: torch.Tensor, row: int, top_k: int, top_p: float) -> set[int]:
+    """The mistake of finding the k-th best over the whole (B, vocab) batch, not per row."""
+    kth = logits.flatten().topk(min(top_k, logits.numel())).values[-1]
+    masked = logits[row].masked_fill(logits[row] < kth, float("-inf"))
+    finite = torch.isfinite(masked).nonzero().flatten().tolist()
+    if not finite:
+        return set()
+    return _kept(masked, 0, top_p) & set(finite)
+
+
+def _kept_in_token_order(row: torch.Tensor, ids: set[int], top_p: float) -> set[int]:
+    """The mistake of a cumulative sum over token ids, not over the ranking."""
+    ordered = sorted(ids)
+    weights = torch.softmax(row[ordered].double(), dim=0).tolist()
+    kept, above = set(), 0.0
+    for i, w in zip(ordered, weights):
+        if above < top_p:
+            kept.add(i)
+        above += w
+    return kept
+
+
 TOP_K_TOP_P_CASES = ((0, 1.0), (5, 1.0), (0, 0.6), (5, 0.6), (1, 1.0), (0, 0.02), (50, 1.0), (7, 0.95))
 
 
@@ -300,11 +334,13 @@ def check_top_k_top_p(filter_top_k_top_p) -> None:
     batch, vocab = 3, 40
     logits = torch.randn(batch, vocab, generator=g) * 2
     logits[2, :6] = torch.tensor([5.0, 5.0, 4.0, 4.0, 4.0, 3.0])  # ties at the k-th best
-    hint = "filter_top_k_top_p(logits (B, vocab), top_k, top_p) returns logits of the same shape"
     for top_k, top_p in TOP_K_TOP_P_CASES:
         original = logits.clone()
-        got = call("1.6", filter_top_k_top_p, logits, top_k, top_p, hint=hint)
         case = f"top_k={top_k}, top_p={top_p}"
+        hint = (f"filter_top_k_top_p(logits (B, vocab), top_k, top_p) returns logits of the same "
+                f"shape; this call had {case}. top_k=0 means no top-k limit, top_p=1 no top-p "
+                "limit, and the k-th best of each row is a (B, 1) column: .values[..., -1:]")
+        got = call("1.6", filter_top_k_top_p, logits, top_k, top_p, hint=hint)
         expect_shape("1.6", f"the filtered logits ({case})", got, logits.shape)
         if not torch.equal(logits, original):
             fail("1.6", "you changed the caller's logits in place: use masked_fill, not masked_fill_")
@@ -320,6 +356,9 @@ def check_top_k_top_p(filter_top_k_top_p) -> None:
             expected = _kept(logits[row], top_k, top_p)
             if kept == expected:
                 continue
+            if top_k > 0 and kept == _kept_with_batch_kth(logits, row, top_k, top_p):
+                fail("1.6", f"({case}) the k-th best was taken over the whole batch: find it per "
+                            "row, logits.topk(k, dim=-1).values[..., -1:]")
             if not kept:
                 fail("1.6", f"({case}) row {row} kept no token at all: the best token always stays")
             if top_p < 1 and kept == _kept(logits[row], top_k, top_p, p_includes_self=True):
@@ -334,5 +373,18 @@ def check_top_k_top_p(filter_top_k_top_p) -> None:
             if top_k > 0 and len(kept) == top_k and len(expected) > top_k:
                 fail("1.6", f"({case}) tokens tied with the k-th best were dropped: keep every token "
                             "whose logit is >= the k-th best (compare values, not ranks)")
+            if top_p < 1 and kept == _kept(logits[row], top_k, 1.0):
+                fail("1.6", f"({case}) top_p was ignored: when top_p < 1, drop the tokens whose "
+                            "better-ranked tokens already hold top_p of the probability")
+            if top_k > 0 and kept == _kept(logits[row], 0, top_p):
+                fail("1.6", f"({case}) top_k was ignored: when top_k > 0, drop every token below "
+                            "the k-th best")
+            by_k = _kept(logits[row], top_k, 1.0)
+            if top_p < 1 and kept == set(range(len(expected))) & by_k:
+                fail("1.6", f"({case}) the top-p mask is still in sorted order: scatter it back to "
+                            "token order (mask.scatter(-1, order, mask)) before masked_fill")
+            if top_p < 1 and kept == _kept_in_token_order(logits[row], by_k, top_p):
+                fail("1.6", f"({case}) the probabilities were summed in token-id order: sort them "
+                            "from the most likely down before the cumulative sum")
             fail("1.6", f"({case}) row {row} kept tokens {sorted(kept)}, expected {sorted(expected)}")
     passed("1.6", f"top-k (ties kept) then top-p keep exactly the right tokens in {len(TOP_K_TOP_P_CASES)} cases")

@@ -306,7 +306,9 @@ def export_modules(
     a name defined by another module of the same stage gets ``from aie_lessons.X import name``
     added for it: the notebook stays free of imports that would shadow the learner's own code.
     ``earlier`` maps names defined by earlier stages' modules to their module, for the names a
-    notebook imported from the package and its exported cells use.
+    notebook imported from the package and its exported cells use. A name that a module reads
+    only in annotations is imported under ``if TYPE_CHECKING:``; a name that two of the stage's
+    modules define is refused, as is an export into a hand-written part of the package.
     """
     texts = _export_texts(cells, source_label)
     trees = {}
