@@ -43,7 +43,7 @@ class SamplingParams:
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise SamplingParamsError(f"{name}={value!r} is invalid: it must be {allowed}.")
         if not all(isinstance(text, str) for text in self.stop):
-            raise SamplingParamsError(f"stop={self.stop!r} is invalid: it must hold strings only.")
+            raise SamplingParamsError(f"stop={self.stop!r} is invalid: it must be a sequence of strings.")
         numbers = {
             "temperature": (self.temperature, self.temperature >= 0, "a number ≥ 0 (0 = greedy)"),
             "top_p": (self.top_p, 0 < self.top_p <= 1, "a number in (0, 1] (1 = keep all)"),
