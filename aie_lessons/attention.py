@@ -6,13 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from typing import TYPE_CHECKING
-
-from aie_lessons.model import apply_rope, register_attention_backend
+from aie_lessons.model import Attention, apply_rope, register_attention_backend
 from aie_lessons.shapes import Dims
-
-if TYPE_CHECKING:
-    from aie_lessons.model import Attention
 
 # A mask fills forbidden scores with the most negative float, not -inf: a row whose every
 # key is masked then gives a uniform softmax instead of 0/0 = NaN.

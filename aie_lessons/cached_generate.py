@@ -4,7 +4,7 @@
 
 from __future__ import annotations
 
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
@@ -14,7 +14,7 @@ from aie_lessons.generate import collect, open_streams
 from aie_lessons.kv_cache import KVCache
 from aie_lessons.masks import attention_mask
 from aie_lessons.padded_batch import left_pad
-from aie_lessons.sampling import SamplingParams, make_generator, sample_next
+from aie_lessons.sampling import SamplingParams, make_generator, params_per_row, sample_next
 
 if TYPE_CHECKING:
     from aie_lessons.model import LlamaModel
@@ -28,26 +28,27 @@ def next_positions(is_real: torch.Tensor) -> torch.Tensor:
 
 
 @torch.inference_mode()
-def cached_steps(model: LlamaModel, prompts: list[list[int]], params: SamplingParams) -> Iterator[list[int]]:
+def cached_steps(model: LlamaModel, prompts: list[list[int]], params: list[SamplingParams]) -> Iterator[list[int]]:
     """Next tokens of every sequence: one prefill of the padded prompts, then one decode step each."""
     device = model.embed_tokens.weight.device
-    generators = [make_generator(params.seed, device) for _ in prompts]
+    generators = [make_generator(p.seed, device) for p in params]
     sequences = [list(p) for p in prompts]
+    steps = max(p.max_new_tokens for p in params)
     batch = left_pad(prompts, pad_id=0, device=device)  # any id works: padding is masked out
     width = batch.input_ids.shape[1]
-    cache = KVCache(model.config, len(prompts), width + params.max_new_tokens,
-                    dtype=model.embed_tokens.weight.dtype, device=device)
+    cache = KVCache(model.config, len(prompts), width + steps, dtype=model.embed_tokens.weight.dtype,
+                    device=device)
     padded = not bool(batch.is_real.all())
     is_real = batch.is_real
     # Without padding, the default causal mask is the right one: no mask tensor to build.
     mask = attention_mask(is_real, width) if padded else None
     logits = model(batch.input_ids, batch.positions, mask, cache, cache_start=0, last_position_only=True)
-    for step in range(params.max_new_tokens):
-        tokens = sample_next(logits[:, -1], params, generators, sequences)
+    for step in range(steps):
+        tokens = sample_next(logits, params, generators, sequences)
         for sequence, token in zip(sequences, tokens):
             sequence.append(token)
         yield tokens
-        if step + 1 == params.max_new_tokens:
+        if step + 1 == steps:
             return  # the last token needs no forward pass of its own
         positions = next_positions(is_real)  # RoPE: each sequence's own count of real tokens
         is_real = torch.cat([is_real, torch.ones_like(is_real[:, :1])], dim=1)
@@ -60,12 +61,13 @@ def generate_cached(
     model: LlamaModel,
     tokenizer: Tokenizer,
     prompts: list[list[int]],
-    params: SamplingParams = SamplingParams(),
+    params: SamplingParams | Sequence[SamplingParams] = SamplingParams(),
     on_text: Callable[[int, str], None] | None = None,
 ) -> list[GenerationResult]:
-    """Generation for one or more prompts with a KV cache.
+    """Generation for one or more prompts with a KV cache: one ``SamplingParams`` or one each.
 
     ``on_text(i, text)`` streams prompt ``i``'s text as it is produced.
     """
+    params = params_per_row(params, len(prompts))
     streams = open_streams(model.config, tokenizer, prompts, params, on_text)
     return collect(cached_steps(model, prompts, params), streams)

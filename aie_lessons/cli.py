@@ -20,11 +20,22 @@ def _fetch_model(args: argparse.Namespace) -> int:
 
 
 def _sampling_params(args: argparse.Namespace):
+    """The request's parameters; a sampled request without --seed gets one, so it can be repeated."""
+    import random
+
     from aie_lessons.sampling import SamplingParams
 
+    sampled = args.temperature != 0
+    if not sampled:
+        ignored = [flag for flag, value, off in (("--top-k", args.top_k, 0), ("--top-p", args.top_p, 1.0),
+                                                 ("--seed", args.seed, None)) if value != off]
+        if ignored:
+            print(f"aie generate: note: {', '.join(ignored)} only matter when sampling; greedy "
+                  "decoding (--temperature 0, the default) ignores them", file=sys.stderr)
+    seed = args.seed if args.seed is not None or not sampled else random.randrange(2**31)
     return SamplingParams(
         max_new_tokens=args.max_new_tokens, stop=tuple(args.stop or ()), temperature=args.temperature,
-        top_k=args.top_k, top_p=args.top_p, repetition_penalty=args.repetition_penalty, seed=args.seed,
+        top_k=args.top_k, top_p=args.top_p, repetition_penalty=args.repetition_penalty, seed=seed,
     )
 
 
@@ -35,6 +46,10 @@ def _generate(args: argparse.Namespace) -> int:
     from aie_lessons.model import LlamaModel
     from aie_lessons.tokenizer import Tokenizer
 
+    if args.no_cache or args.compile:
+        loop = "skeleton" if args.no_cache else "compiled"
+        raise SystemExit(f"aie generate: --no-cache and --compile are now --loop skeleton and "
+                         f"--loop compiled. Fix: use --loop {loop}")
     if args.loop == "compiled" and args.activations != "float32":
         raise SystemExit("aie generate: --loop compiled computes in float32: drop --activations bfloat16")
     params = _sampling_params(args)  # bad values are refused before the model is loaded
@@ -68,6 +83,7 @@ def _generate(args: argparse.Namespace) -> int:
             "token_ids": result.token_ids,
             "text": result.text,
             "finish_reason": result.finish_reason,
+            "seed": params.seed,
             "timings": result.timings,
         }, ensure_ascii=False))
     else:
@@ -143,11 +159,14 @@ def build_parser() -> argparse.ArgumentParser:
                      help="skeleton: stage 01, no KV cache (slow, for comparison); cached: stage 04's "
                           "KV cache (default); compiled: stage 04's fused, compiled decoder "
                           "(compiles first: seconds)")
+    gen.add_argument("--no-cache", action="store_true", help=argparse.SUPPRESS)  # old names: say the new
+    gen.add_argument("--compile", action="store_true", help=argparse.SUPPRESS)
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     gen.add_argument("--top-k", type=int, default=0, help="keep the k best tokens (0 = all)")
     gen.add_argument("--top-p", type=float, default=1.0, help="nucleus: keep tokens holding p (1 = all)")
     gen.add_argument("--repetition-penalty", type=float, default=1.0, help="> 1 discourages repeats")
-    gen.add_argument("--seed", type=int, help="seed of the sampling (same seed, same text)")
+    gen.add_argument("--seed", type=int, help="seed of the sampling (same seed, same text); without "
+                                              "it a random one is used and shown by --json")
     gen.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
                      help="how the weights are stored (bfloat16 halves the bytes per token)")
     gen.add_argument("--activations", choices=["float32", "bfloat16"], default="float32",
@@ -182,22 +201,43 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# Errors that the course raises carry their own fix: they are printed plainly, not as a traceback.
+COURSE_ERRORS = (
+    ("aie_lessons.course.grade", "GradeError"),
+    ("aie_lessons.course.progress", "ProgressError"),
+    ("aie_lessons.course.source", "SourceError"),
+    ("aie_lessons.config", "UnsupportedConfigError"),
+    ("aie_lessons.generate", "PromptError"),
+    ("aie_lessons.infra.model_files", "ModelFilesError"),
+    ("aie_lessons.kv_cache", "CacheFullError"),
+    ("aie_lessons.sampling", "SamplingParamsError"),
+    ("aie_lessons.weights", "WeightsError"),
+)
+
+
+def is_course_error(exc: Exception) -> bool:
+    """Whether ``exc`` is one of the course's errors, looked up only after something failed.
+
+    Importing them up front would import the learner's modules before every command, so one
+    broken committed stage would stop even ``aie reset`` from starting. A module that fails to
+    import cannot have raised the error: it is simply not one of the candidates.
+    """
+    if isinstance(exc, FileNotFoundError):
+        return True
+    for module, name in COURSE_ERRORS:
+        loaded = sys.modules.get(module)
+        if loaded is not None and isinstance(exc, getattr(loaded, name)):
+            return True
+    return False
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    # Errors that the course raises carry their own fix: print them plainly, not as a traceback.
-    from aie_lessons.course.grade import GradeError
-    from aie_lessons.course.progress import ProgressError
-    from aie_lessons.config import UnsupportedConfigError
-    from aie_lessons.generate import PromptError
-    from aie_lessons.infra.model_files import ModelFilesError
-    from aie_lessons.kv_cache import CacheFullError
-    from aie_lessons.sampling import SamplingParamsError
-    from aie_lessons.weights import WeightsError
-
     try:
         return args.run(args)
-    except (PromptError, CacheFullError, ModelFilesError, WeightsError, FileNotFoundError,
-            ProgressError, GradeError, SamplingParamsError, UnsupportedConfigError) as exc:
+    except Exception as exc:
+        if not is_course_error(exc):
+            raise
         print(f"aie {args.command}: error: {exc}", file=sys.stderr)
         return 2
 

@@ -22,27 +22,50 @@ UNSUPPORTED_FIELDS = {
     "sliding_window": "sliding-window attention",
     "no_rope_layers": "layers without RoPE",
     "no_rope_layer_interval": "layers without RoPE",
+    "partial_rotary_factor": "RoPE on part of each head",
+    "attn_logit_softcapping": "soft-capped attention scores",
+    "final_logit_softcapping": "soft-capped logits",
+    "logits_scaling": "scaled logits",
+    "embedding_multiplier": "scaled embeddings",
+    "residual_multiplier": "scaled residual branches",
+    "attention_multiplier": "a non-standard attention scale",
 }
+# Values of those fields that mean "off", i.e. the plain Llama computation.
+NEUTRAL_VALUES = (None, False, 0, [], {}, 1, 1.0)
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "smollm3")
 SUPPORTED_ACTIVATIONS = ("silu",)
 
 
 def rope_theta_of(cfg: dict) -> float:
     """RoPE's base frequency: newer configs nest it in ``rope_parameters``, older ones do not."""
     nested = cfg.get("rope_parameters") or {}
+    if nested and "rope_theta" not in nested and "rope_theta" not in cfg:
+        raise UnsupportedConfigError(
+            f"config.json has rope_parameters {sorted(nested)} but no rope_theta (per-layer RoPE "
+            "settings?): this model needs one base frequency. Fix: use a plain Llama-family checkpoint."
+        )
     return float(nested.get("rope_theta", cfg.get("rope_theta", 10000.0)))
 
 
 def refuse_unsupported(cfg: dict) -> None:
     """Raise ``UnsupportedConfigError`` naming the first field our model would silently ignore."""
+    model_type = cfg.get("model_type", "llama")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise UnsupportedConfigError(
+            f"config.json has model_type={model_type!r}; this model implements {SUPPORTED_MODEL_TYPES} "
+            "(others differ in ways a config does not always say, e.g. Qwen2's q/k/v biases). "
+            "Fix: use a Llama-family checkpoint."
+        )
+    rope = cfg.get("rope_parameters") or {}
     for name, feature in UNSUPPORTED_FIELDS.items():
-        value = cfg.get(name)
+        value = cfg.get(name, rope.get(name))  # newer configs keep RoPE's settings together
         if name == "sliding_window" and not cfg.get("use_sliding_window", True):
             continue  # Qwen-style configs carry a window size but switch it off
         if name == "no_rope_layers" and value and all(value):
             continue  # SmolLM3 lists 1 for every layer that does use RoPE: all of them is fine
         if name == "no_rope_layer_interval" and "no_rope_layers" in cfg:
             continue  # only the default for the list above, which was given and checked
-        if value not in (None, False, 0, [], {}):
+        if value is True or value not in NEUTRAL_VALUES:
             raise UnsupportedConfigError(
                 f"config.json sets {name}={value!r} ({feature}), which this Llama model does not "
                 "implement: it would load and produce wrong text. Fix: use a plain Llama-family "

@@ -15,11 +15,10 @@ from typing import TYPE_CHECKING
 
 from aie_lessons.generate import check_prompt, collect, open_streams
 from aie_lessons.kv_cache import KVCache
-from aie_lessons.model import rms_norm, rope_cos_sin
+from aie_lessons.model import LlamaModel, rms_norm, rope_cos_sin
 from aie_lessons.sampling import SamplingParams, make_generator, sample_next
 
 if TYPE_CHECKING:
-    from aie_lessons.model import LlamaModel
     from aie_lessons.output import GenerationResult
     from aie_lessons.tokenizer import Tokenizer
 
@@ -272,7 +271,11 @@ class FastDecoder:
         self.decode_head = torch.compile(decode_head, options=options) if compile else decode_head
 
     def pack(self, model: LlamaModel) -> list[Any]:
-        """The matrices of ``decode_groups(model)``, in that order, as ``matvec`` will read them."""
+        """The matrices of ``decode_groups(model)``, in that order, as ``matvec`` will read them.
+
+        This one also keeps the block they live in as ``self.block`` (its size is the memory
+        the decoder adds); an override stores its matrices however its ``matvec`` wants.
+        """
         self.block, matrices = pack_weights(model)
         return matrices
 
@@ -327,17 +330,16 @@ class FastDecoder:
         cos, sin = (t[0] for t in rope_cos_sin(positions, model.config.head_dim, model.config.rope_theta))
         calls = self.layer_inputs(cache)
         generators, history = [make_generator(params.seed, device)], list(prompt_ids)
-        greedy = params.greedy and params.repetition_penalty == 1.0
         logits = model(torch.tensor([prompt_ids], device=device), positions[:, :n], cache=cache,
                        cache_start=0, last_position_only=True)
-        token = sample_next(logits[:, -1], params, generators, [history])[0]
+        token = sample_next(logits, [params], generators, [history])[0]
         for t in range(n, max_len):  # t: the position (and cache row) of the token just chosen
             history.append(token)
             yield token
             if t + 1 == max_len:
                 return
-            out = self.step(token, t, calls, cos, sin, greedy)
-            token = int(out) if greedy else sample_next(out[None], params, generators, [history])[0]
+            out = self.step(token, t, calls, cos, sin, params.plain_greedy)
+            token = int(out) if params.plain_greedy else sample_next(out[None, None], [params], generators, [history])[0]
 
     def generate(
         self,
@@ -347,6 +349,6 @@ class FastDecoder:
         on_text: Callable[[str], None] | None = None,
     ) -> GenerationResult:
         """Same contract as ``generate_cached`` for one prompt (same tokens in fp32)."""
-        streams = open_streams(self.model.config, tokenizer, [prompt_ids], params,
+        streams = open_streams(self.model.config, tokenizer, [prompt_ids], [params],
                                on_text and (lambda _, text: on_text(text)))
         return collect(([token] for token in self.tokens(prompt_ids, params)), streams)[0]

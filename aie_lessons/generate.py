@@ -5,19 +5,18 @@
 from __future__ import annotations
 
 import time
-from typing import Callable, Iterable, Iterator
+from typing import Callable, Iterator
 
 import torch
 
 from typing import TYPE_CHECKING
 
-from aie_lessons.output import OutputStream, stop_token_ids
+from aie_lessons.output import GenerationResult, OutputStream, stop_token_ids
 from aie_lessons.sampling import SamplingParams, make_generator, sample_next
 
 if TYPE_CHECKING:
     from aie_lessons.config import ModelConfig
     from aie_lessons.model import LlamaModel
-    from aie_lessons.output import GenerationResult
     from aie_lessons.tokenizer import Tokenizer
 
 
@@ -55,32 +54,40 @@ def open_streams(
     config: ModelConfig,
     tokenizer: Tokenizer,
     prompts: list[list[int]],
-    params: SamplingParams,
+    params: list[SamplingParams],
     on_text: Callable[[int, str], None] | None = None,
 ) -> list[OutputStream]:
     """Check every prompt, then one output stream each; ``on_text(i, text)`` streams prompt i."""
-    for prompt in prompts:
-        check_prompt(prompt, params, config)
+    for prompt, p in zip(prompts, params):
+        check_prompt(prompt, p, config)
     stop_ids = stop_token_ids(config, tokenizer)
-    return [OutputStream(tokenizer, prompt, params, stop_ids, on_text and (lambda text, i=i: on_text(i, text)))
-            for i, prompt in enumerate(prompts)]
+    return [OutputStream(tokenizer, prompt, p, stop_ids, on_text and (lambda text, i=i: on_text(i, text)))
+            for i, (prompt, p) in enumerate(zip(prompts, params))]
 
 
-def collect(steps: Iterable[list[int]], streams: list[OutputStream]) -> list[GenerationResult]:
+def collect(steps: Iterator[list[int]], streams: list[OutputStream]) -> list[GenerationResult]:
     """Feed each step's tokens (one per sequence) to the streams until every one has finished.
 
     The time of each ``next()`` (one forward pass) is recorded for the sequences still running.
-    A finished sequence ignores the tokens its row keeps producing while others continue.
+    A finished sequence ignores the tokens its row keeps producing while others continue. When
+    all have finished the step iterator is closed, which frees what it holds (a KV cache).
     """
-    steps = iter(steps)
-    while not all(stream.finished for stream in streams):
-        start = time.perf_counter()
-        tokens = next(steps)
-        elapsed = time.perf_counter() - start
-        for stream, token in zip(streams, tokens):
-            if not stream.finished:
-                stream.result.step_seconds.append(elapsed)
-                stream.push(token)
+    try:
+        while not all(stream.finished for stream in streams):
+            start = time.perf_counter()
+            tokens = next(steps, None)
+            if tokens is None:
+                running = [i for i, stream in enumerate(streams) if not stream.finished]
+                raise RuntimeError(f"the step iterator ended while sequences {running} were still "
+                                   "running: it must yield until max_new_tokens")
+            elapsed = time.perf_counter() - start
+            for stream, token in zip(streams, tokens):
+                if not stream.finished:
+                    stream.result.step_seconds.append(elapsed)
+                    stream.push(token)
+    finally:
+        if hasattr(steps, "close"):
+            steps.close()
     return [stream.result for stream in streams]
 
 
@@ -93,7 +100,7 @@ def skeleton_steps(model: LlamaModel, prompt_ids: list[int], params: SamplingPar
     for _ in range(params.max_new_tokens):
         positions = torch.arange(len(ids), device=device)[None]  # (1, S): 0 … S-1
         logits = model(torch.tensor([ids], device=device), positions)  # (1, S, vocab)
-        token = sample_next(logits[:, -1], params, generators, [ids])
+        token = sample_next(logits, [params], generators, [ids])
         ids += token
         yield token
 
@@ -110,6 +117,6 @@ def generate(
     ``on_text`` receives text as soon as it is complete (whole characters, stop strings cut),
     which is how the CLI streams to the terminal.
     """
-    streams = open_streams(model.config, tokenizer, [prompt_ids], params,
+    streams = open_streams(model.config, tokenizer, [prompt_ids], [params],
                            on_text and (lambda _, text: on_text(text)))
     return collect(skeleton_steps(model, prompt_ids, params), streams)[0]

@@ -50,7 +50,9 @@ class KVCache:
         A new request reuses the memory by starting again at 0: old entries are overwritten.
         """
         new = k.shape[2]
-        if start < 0 or start + new > self.max_len:
+        if start < 0:
+            raise ValueError(f"start={start}: cache columns start at 0")
+        if start + new > self.max_len:
             raise CacheFullError(
                 f"the KV cache holds {self.max_len} positions; {new} were written at column "
                 f"{start}. Fix: allocate max_len ≥ prompt + max_new_tokens (here {start + new})."

@@ -16,7 +16,8 @@ from aie_lessons.weights import WeightsError, load_weights
 
 # An attention backend takes q (B, Hq, S, D), k and v (B, Hkv, T, D) and an optional boolean
 # mask (B or 1, 1, S, T), True where a query may look; it returns (B, Hq, S, D). No mask means
-# plain causal attention over S == T positions. Stage 03 builds masks, stage 04 makes T > S.
+# causal attention with the S queries as the *last* S of the T positions (S == T without a
+# cache; S < T after a cache has returned the past). Stage 03 builds masks, stage 04 makes T > S.
 AttentionFn = Callable[..., torch.Tensor]
 ATTENTION_BACKENDS: dict[str, AttentionFn] = {}
 # Backends that store the new keys/values and read the KV cache themselves, instead of being
@@ -260,16 +261,18 @@ class LlamaModel(nn.Module):
         positions: torch.Tensor | None = None,
         mask: torch.Tensor | None = None,
         cache=None,
-        cache_start: int | None = None,
+        cache_start=None,
         last_position_only: bool = False,
     ) -> torch.Tensor:
         """Logits (B, S, vocab) for token ids (B, S) — or (B, 1, vocab) for the last position.
 
         ``positions`` (B, S) are the RoPE positions (default 0..S-1 when there is no cache);
         ``mask`` is a boolean (B or 1, 1, S, T) attention mask (stage 03); ``cache`` is a KV cache
-        with ``update(layer, k, v, start)`` and ``cache_start`` the cache column where these
-        tokens' keys and values go (stage 04). The caller says both, because only the caller
-        knows how far each sequence is: nothing here is derived from what a cache holds.
+        with ``update(layer, k, v, start)`` and ``cache_start`` says where these tokens' keys and
+        values go — for stage 04's cache, the column shared by every row. The model passes
+        ``cache_start`` to the cache without reading it, so a later cache can take another kind
+        of address (stage 06: one position per row). The caller says both, because only the
+        caller knows how far each sequence is: nothing here is derived from what a cache holds.
         Generation only needs the last position's logits: ``last_position_only`` skips the
         output head's work (S × 576 × 49152 multiply-adds) for all the others.
         """

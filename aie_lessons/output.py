@@ -9,12 +9,11 @@ from typing import Callable
 
 from typing import TYPE_CHECKING
 
-from aie_lessons.tokenizer import StreamingDetokenizer
+from aie_lessons.tokenizer import StreamingDetokenizer, Tokenizer
 
 if TYPE_CHECKING:
     from aie_lessons.config import ModelConfig
     from aie_lessons.sampling import SamplingParams
-    from aie_lessons.tokenizer import Tokenizer
 
 
 class StopStrings:

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -36,6 +37,9 @@ class SamplingParams:
         if isinstance(self.stop, str):
             raise SamplingParamsError(f"stop={self.stop!r} is one string; it must be a sequence "
                                       f"of strings. Fix: stop=({self.stop!r},)")
+        if self.stop is None:
+            raise SamplingParamsError("stop=None is invalid: it must be a sequence of strings "
+                                      "(empty for none). Fix: stop=()")
         object.__setattr__(self, "stop", tuple(self.stop))  # a list is fine; store it frozen
         integers = {"max_new_tokens": (self.max_new_tokens, "an integer ≥ 0"),
                     "top_k": (self.top_k, "an integer ≥ 0 (0 = no limit)")}
@@ -60,6 +64,22 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def plain_greedy(self) -> bool:
+        """Greedy with no penalty: the next token is the argmax of the raw logits, nothing else."""
+        return self.greedy and self.repetition_penalty == 1.0
+
+
+def params_per_row(params: SamplingParams | Sequence[SamplingParams], rows: int) -> list[SamplingParams]:
+    """One ``SamplingParams`` per sequence of a batch: the same for all, or one each."""
+    if isinstance(params, SamplingParams):
+        return [params] * rows
+    params = list(params)
+    if len(params) != rows:
+        raise SamplingParamsError(f"got {len(params)} SamplingParams for {rows} prompts. Fix: give one "
+                                  "SamplingParams for all, or one per prompt")
+    return params
 
 
 def greedy_step(logits: torch.Tensor) -> torch.Tensor:
@@ -111,18 +131,22 @@ def sample_row(logits: torch.Tensor, params: SamplingParams, generator: torch.Ge
         logits = apply_repetition_penalty(logits, seen, params.repetition_penalty)
     if params.greedy:
         return int(logits.argmax())
-    logits = filter_top_k_top_p(logits[None] / params.temperature, params.top_k, params.top_p)[0]
+    # The best logit is moved to 0 first: dividing by a tiny temperature then gives -inf for
+    # the others, never +inf (which would make the softmax NaN). Probabilities do not change.
+    logits = (logits - logits.max()) / params.temperature
+    logits = filter_top_k_top_p(logits[None], params.top_k, params.top_p)[0]
     return int(torch.multinomial(logits.softmax(dim=-1), 1, generator=generator))
 
 
-def sample_next(logits: torch.Tensor, params: SamplingParams, generators: list[torch.Generator],
+def sample_next(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator],
                 histories: list[list[int]]) -> list[int]:
-    """The next token id of every row, from last-position logits (B, vocab).
+    """The next token id of every row, from the model's logits (B, S, vocab), fp32.
 
-    ``histories[i]`` is row i's prompt and output so far (for the repetition penalty). Plain
-    greedy needs no history and no randomness: one argmax over the whole batch.
+    Row i is picked with ``params[i]`` and ``generators[i]``; ``histories[i]`` is its prompt and
+    output so far (for the repetition penalty). When every row is plain greedy there is nothing
+    to draw: one ``greedy_step`` for the whole batch.
     """
-    if params.greedy and params.repetition_penalty == 1.0:
-        return logits.argmax(dim=-1).tolist()
-    return [sample_row(row, params, generator, history)
-            for row, generator, history in zip(logits, generators, histories)]
+    if all(p.plain_greedy for p in params):
+        return greedy_step(logits).tolist()
+    return [sample_row(row[-1], p, generator, history)
+            for row, p, generator, history in zip(logits, params, generators, histories)]

@@ -75,27 +75,50 @@ UNSUPPORTED_FIELDS = {
     "sliding_window": "sliding-window attention",
     "no_rope_layers": "layers without RoPE",
     "no_rope_layer_interval": "layers without RoPE",
+    "partial_rotary_factor": "RoPE on part of each head",
+    "attn_logit_softcapping": "soft-capped attention scores",
+    "final_logit_softcapping": "soft-capped logits",
+    "logits_scaling": "scaled logits",
+    "embedding_multiplier": "scaled embeddings",
+    "residual_multiplier": "scaled residual branches",
+    "attention_multiplier": "a non-standard attention scale",
 }
+# Values of those fields that mean "off", i.e. the plain Llama computation.
+NEUTRAL_VALUES = (None, False, 0, [], {}, 1, 1.0)
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "smollm3")
 SUPPORTED_ACTIVATIONS = ("silu",)
 
 
 def rope_theta_of(cfg: dict) -> float:
     """RoPE's base frequency: newer configs nest it in ``rope_parameters``, older ones do not."""
     nested = cfg.get("rope_parameters") or {}
+    if nested and "rope_theta" not in nested and "rope_theta" not in cfg:
+        raise UnsupportedConfigError(
+            f"config.json has rope_parameters {sorted(nested)} but no rope_theta (per-layer RoPE "
+            "settings?): this model needs one base frequency. Fix: use a plain Llama-family checkpoint."
+        )
     return float(nested.get("rope_theta", cfg.get("rope_theta", 10000.0)))
 
 
 def refuse_unsupported(cfg: dict) -> None:
     """Raise ``UnsupportedConfigError`` naming the first field our model would silently ignore."""
+    model_type = cfg.get("model_type", "llama")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise UnsupportedConfigError(
+            f"config.json has model_type={model_type!r}; this model implements {SUPPORTED_MODEL_TYPES} "
+            "(others differ in ways a config does not always say, e.g. Qwen2's q/k/v biases). "
+            "Fix: use a Llama-family checkpoint."
+        )
+    rope = cfg.get("rope_parameters") or {}
     for name, feature in UNSUPPORTED_FIELDS.items():
-        value = cfg.get(name)
+        value = cfg.get(name, rope.get(name))  # newer configs keep RoPE's settings together
         if name == "sliding_window" and not cfg.get("use_sliding_window", True):
             continue  # Qwen-style configs carry a window size but switch it off
         if name == "no_rope_layers" and value and all(value):
             continue  # SmolLM3 lists 1 for every layer that does use RoPE: all of them is fine
         if name == "no_rope_layer_interval" and "no_rope_layers" in cfg:
             continue  # only the default for the list above, which was given and checked
-        if value not in (None, False, 0, [], {}):
+        if value is True or value not in NEUTRAL_VALUES:
             raise UnsupportedConfigError(
                 f"config.json sets {name}={value!r} ({feature}), which this Llama model does not "
                 "implement: it would load and produce wrong text. Fix: use a plain Llama-family "
@@ -443,7 +466,8 @@ from torch import nn
 
 # An attention backend takes q (B, Hq, S, D), k and v (B, Hkv, T, D) and an optional boolean
 # mask (B or 1, 1, S, T), True where a query may look; it returns (B, Hq, S, D). No mask means
-# plain causal attention over S == T positions. Stage 03 builds masks, stage 04 makes T > S.
+# causal attention with the S queries as the *last* S of the T positions (S == T without a
+# cache; S < T after a cache has returned the past). Stage 03 builds masks, stage 04 makes T > S.
 AttentionFn = Callable[..., torch.Tensor]
 ATTENTION_BACKENDS: dict[str, AttentionFn] = {}
 # Backends that store the new keys/values and read the KV cache themselves, instead of being
@@ -691,16 +715,18 @@ class LlamaModel(nn.Module):
         positions: torch.Tensor | None = None,
         mask: torch.Tensor | None = None,
         cache=None,
-        cache_start: int | None = None,
+        cache_start=None,
         last_position_only: bool = False,
     ) -> torch.Tensor:
         """Logits (B, S, vocab) for token ids (B, S) — or (B, 1, vocab) for the last position.
 
         ``positions`` (B, S) are the RoPE positions (default 0..S-1 when there is no cache);
         ``mask`` is a boolean (B or 1, 1, S, T) attention mask (stage 03); ``cache`` is a KV cache
-        with ``update(layer, k, v, start)`` and ``cache_start`` the cache column where these
-        tokens' keys and values go (stage 04). The caller says both, because only the caller
-        knows how far each sequence is: nothing here is derived from what a cache holds.
+        with ``update(layer, k, v, start)`` and ``cache_start`` says where these tokens' keys and
+        values go — for stage 04's cache, the column shared by every row. The model passes
+        ``cache_start`` to the cache without reading it, so a later cache can take another kind
+        of address (stage 06: one position per row). The caller says both, because only the
+        caller knows how far each sequence is: nothing here is derived from what a cache holds.
         Generation only needs the last position's logits: ``last_position_only`` skips the
         output head's work (S × 576 × 49152 multiply-adds) for all the others.
         """
@@ -764,6 +790,7 @@ print(f"{n_params / 1e6:.1f} M parameters; output head shares the embedding's st
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -795,6 +822,9 @@ class SamplingParams:
         if isinstance(self.stop, str):
             raise SamplingParamsError(f"stop={self.stop!r} is one string; it must be a sequence "
                                       f"of strings. Fix: stop=({self.stop!r},)")
+        if self.stop is None:
+            raise SamplingParamsError("stop=None is invalid: it must be a sequence of strings "
+                                      "(empty for none). Fix: stop=()")
         object.__setattr__(self, "stop", tuple(self.stop))  # a list is fine; store it frozen
         integers = {"max_new_tokens": (self.max_new_tokens, "an integer ≥ 0"),
                     "top_k": (self.top_k, "an integer ≥ 0 (0 = no limit)")}
@@ -819,6 +849,22 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def plain_greedy(self) -> bool:
+        """Greedy with no penalty: the next token is the argmax of the raw logits, nothing else."""
+        return self.greedy and self.repetition_penalty == 1.0
+
+
+def params_per_row(params: SamplingParams | Sequence[SamplingParams], rows: int) -> list[SamplingParams]:
+    """One ``SamplingParams`` per sequence of a batch: the same for all, or one each."""
+    if isinstance(params, SamplingParams):
+        return [params] * rows
+    params = list(params)
+    if len(params) != rows:
+        raise SamplingParamsError(f"got {len(params)} SamplingParams for {rows} prompts. Fix: give one "
+                                  "SamplingParams for all, or one per prompt")
+    return params
 
 
 def greedy_step(logits: torch.Tensor) -> torch.Tensor:
@@ -956,10 +1002,11 @@ def filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.
 checks.stage01.check_top_k_top_p(filter_top_k_top_p)
 
 # %% [markdown]
-# With both in place, one function picks the next token of each row of a batch. Each request
-# brings its own `torch.Generator`, seeded from `SamplingParams.seed`: a request's draws then
-# depend on its seed alone, never on which other requests share the batch (stage 06 relies on
-# this when it batches strangers together).
+# With both in place, one function picks the next token of each row of a batch, each row with
+# its own `SamplingParams` and its own `torch.Generator`, seeded from `SamplingParams.seed`: a
+# request's draws then depend on its seed alone, never on which other requests share the batch
+# (stage 06 relies on this when it batches strangers together). When every row is plain greedy,
+# the pick is your `greedy_step` from exercise 1.3, once for the whole batch.
 
 # %%
 # export: sampling
@@ -981,21 +1028,25 @@ def sample_row(logits: torch.Tensor, params: SamplingParams, generator: torch.Ge
         logits = apply_repetition_penalty(logits, seen, params.repetition_penalty)
     if params.greedy:
         return int(logits.argmax())
-    logits = filter_top_k_top_p(logits[None] / params.temperature, params.top_k, params.top_p)[0]
+    # The best logit is moved to 0 first: dividing by a tiny temperature then gives -inf for
+    # the others, never +inf (which would make the softmax NaN). Probabilities do not change.
+    logits = (logits - logits.max()) / params.temperature
+    logits = filter_top_k_top_p(logits[None], params.top_k, params.top_p)[0]
     return int(torch.multinomial(logits.softmax(dim=-1), 1, generator=generator))
 
 
-def sample_next(logits: torch.Tensor, params: SamplingParams, generators: list[torch.Generator],
+def sample_next(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator],
                 histories: list[list[int]]) -> list[int]:
-    """The next token id of every row, from last-position logits (B, vocab).
+    """The next token id of every row, from the model's logits (B, S, vocab), fp32.
 
-    ``histories[i]`` is row i's prompt and output so far (for the repetition penalty). Plain
-    greedy needs no history and no randomness: one argmax over the whole batch.
+    Row i is picked with ``params[i]`` and ``generators[i]``; ``histories[i]`` is its prompt and
+    output so far (for the repetition penalty). When every row is plain greedy there is nothing
+    to draw: one ``greedy_step`` for the whole batch.
     """
-    if params.greedy and params.repetition_penalty == 1.0:
-        return logits.argmax(dim=-1).tolist()
-    return [sample_row(row, params, generator, history)
-            for row, generator, history in zip(logits, generators, histories)]
+    if all(p.plain_greedy for p in params):
+        return greedy_step(logits).tolist()
+    return [sample_row(row[-1], p, generator, history)
+            for row, p, generator, history in zip(logits, params, generators, histories)]
 
 
 # %% [markdown]
@@ -1150,11 +1201,12 @@ class OutputStream:
 
 
 # %% [markdown]
-# And the loop itself. It is written in two parts that every later loop reuses: a *step
-# iterator* that yields the next token of each sequence, one model call per `next()`, and
-# `collect`, which times each step and feeds its tokens to the output streams until all have
-# finished. A new loop (with a KV cache in stage 04, a compiled step later) is then only a new
-# step iterator. Positions are always passed to the model explicitly: the loop knows how far
+# And the loop itself. It is written in two parts that the lesson loops of stages 03 and 04
+# reuse: a *step iterator* that yields the next token of each sequence, one model call per
+# `next()`, and `collect`, which times each step and feeds its tokens to the output streams
+# until all have finished. A new loop (with a KV cache in stage 04, a compiled step after it) is
+# then only a new step iterator; stage 06's engine, whose batch changes at every step, keeps the
+# output streams and replaces `collect` with its scheduler. Positions are always passed to the model explicitly: the loop knows how far
 # each sequence is, the model never guesses.
 
 # %%
@@ -1164,7 +1216,7 @@ class OutputStream:
 from __future__ import annotations
 
 import time
-from typing import Callable, Iterable, Iterator
+from typing import Callable, Iterator
 
 import torch
 
@@ -1203,32 +1255,40 @@ def open_streams(
     config: ModelConfig,
     tokenizer: Tokenizer,
     prompts: list[list[int]],
-    params: SamplingParams,
+    params: list[SamplingParams],
     on_text: Callable[[int, str], None] | None = None,
 ) -> list[OutputStream]:
     """Check every prompt, then one output stream each; ``on_text(i, text)`` streams prompt i."""
-    for prompt in prompts:
-        check_prompt(prompt, params, config)
+    for prompt, p in zip(prompts, params):
+        check_prompt(prompt, p, config)
     stop_ids = stop_token_ids(config, tokenizer)
-    return [OutputStream(tokenizer, prompt, params, stop_ids, on_text and (lambda text, i=i: on_text(i, text)))
-            for i, prompt in enumerate(prompts)]
+    return [OutputStream(tokenizer, prompt, p, stop_ids, on_text and (lambda text, i=i: on_text(i, text)))
+            for i, (prompt, p) in enumerate(zip(prompts, params))]
 
 
-def collect(steps: Iterable[list[int]], streams: list[OutputStream]) -> list[GenerationResult]:
+def collect(steps: Iterator[list[int]], streams: list[OutputStream]) -> list[GenerationResult]:
     """Feed each step's tokens (one per sequence) to the streams until every one has finished.
 
     The time of each ``next()`` (one forward pass) is recorded for the sequences still running.
-    A finished sequence ignores the tokens its row keeps producing while others continue.
+    A finished sequence ignores the tokens its row keeps producing while others continue. When
+    all have finished the step iterator is closed, which frees what it holds (a KV cache).
     """
-    steps = iter(steps)
-    while not all(stream.finished for stream in streams):
-        start = time.perf_counter()
-        tokens = next(steps)
-        elapsed = time.perf_counter() - start
-        for stream, token in zip(streams, tokens):
-            if not stream.finished:
-                stream.result.step_seconds.append(elapsed)
-                stream.push(token)
+    try:
+        while not all(stream.finished for stream in streams):
+            start = time.perf_counter()
+            tokens = next(steps, None)
+            if tokens is None:
+                running = [i for i, stream in enumerate(streams) if not stream.finished]
+                raise RuntimeError(f"the step iterator ended while sequences {running} were still "
+                                   "running: it must yield until max_new_tokens")
+            elapsed = time.perf_counter() - start
+            for stream, token in zip(streams, tokens):
+                if not stream.finished:
+                    stream.result.step_seconds.append(elapsed)
+                    stream.push(token)
+    finally:
+        if hasattr(steps, "close"):
+            steps.close()
     return [stream.result for stream in streams]
 
 
@@ -1241,7 +1301,7 @@ def skeleton_steps(model: LlamaModel, prompt_ids: list[int], params: SamplingPar
     for _ in range(params.max_new_tokens):
         positions = torch.arange(len(ids), device=device)[None]  # (1, S): 0 … S-1
         logits = model(torch.tensor([ids], device=device), positions)  # (1, S, vocab)
-        token = sample_next(logits[:, -1], params, generators, [ids])
+        token = sample_next(logits, [params], generators, [ids])
         ids += token
         yield token
 
@@ -1258,7 +1318,7 @@ def generate(
     ``on_text`` receives text as soon as it is complete (whole characters, stop strings cut),
     which is how the CLI streams to the terminal.
     """
-    streams = open_streams(model.config, tokenizer, [prompt_ids], params,
+    streams = open_streams(model.config, tokenizer, [prompt_ids], [params],
                            on_text and (lambda _, text: on_text(text)))
     return collect(skeleton_steps(model, prompt_ids, params), streams)[0]
 

@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from aie_lessons import checks
 from aie_lessons.generate import collect, generate, open_streams
 from aie_lessons.output import GenerationResult
-from aie_lessons.sampling import SamplingParams, make_generator, sample_next
+from aie_lessons.sampling import SamplingParams, make_generator, params_per_row, sample_next
 from aie_lessons.model import LlamaModel
 from aie_lessons.infra.paths import default_model_dir
 from aie_lessons.tokenizer import Tokenizer
@@ -117,7 +117,7 @@ show_masks({"no cache: 8 queries, 8 keys": causal_mask(8, 8),
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -253,26 +253,35 @@ print("softmax of an all finfo.min row:", torch.softmax(torch.full((1, 4), torch
 # %%
 # export: padded_batch
 @torch.inference_mode()
-def batch_steps(model: LlamaModel, prompts: list[list[int]], params: SamplingParams) -> Iterator[list[int]]:
+def batch_steps(model: LlamaModel, prompts: list[list[int]], params: list[SamplingParams]) -> Iterator[list[int]]:
     """Next tokens of every sequence, recomputing the padded batch at every step (no cache)."""
     device = model.embed_tokens.weight.device
-    generators = [make_generator(params.seed, device) for _ in prompts]
+    generators = [make_generator(p.seed, device) for p in params]
     sequences = [list(p) for p in prompts]
-    for _ in range(params.max_new_tokens):
+    for _ in range(max(p.max_new_tokens for p in params)):
         batch = left_pad(sequences, pad_id=0, device=device)  # any id works: padding is masked out
         mask = attention_mask(batch.is_real, batch.input_ids.shape[1])
         logits = model(batch.input_ids, batch.positions, mask, last_position_only=True)
-        tokens = sample_next(logits[:, -1], params, generators, sequences)
+        tokens = sample_next(logits, params, generators, sequences)
         for sequence, token in zip(sequences, tokens):
             sequence.append(token)
         yield tokens
 
 
 def generate_batch(
-    model: LlamaModel, tokenizer: Tokenizer, prompts: list[list[int]], params: SamplingParams
+    model: LlamaModel,
+    tokenizer: Tokenizer,
+    prompts: list[list[int]],
+    params: SamplingParams | Sequence[SamplingParams] = SamplingParams(),
+    on_text: Callable[[int, str], None] | None = None,
 ) -> list[GenerationResult]:
-    """Generation for several prompts at once, each row sampled with its own generator."""
-    streams = open_streams(model.config, tokenizer, prompts, params)
+    """Generation for several prompts at once: one ``SamplingParams`` for all, or one each.
+
+    Each row draws from its own generator, so a seeded prompt gets the tokens it gets alone.
+    ``on_text(i, text)`` streams prompt ``i``'s text as it is produced.
+    """
+    params = params_per_row(params, len(prompts))
+    streams = open_streams(model.config, tokenizer, prompts, params, on_text)
     return collect(batch_steps(model, prompts, params), streams)
 
 

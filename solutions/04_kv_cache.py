@@ -42,7 +42,7 @@ from aie_lessons import checks
 from aie_lessons.config import ModelConfig
 from aie_lessons.generate import check_prompt, collect, generate, open_streams
 from aie_lessons.output import GenerationResult
-from aie_lessons.sampling import SamplingParams, greedy_step, make_generator, sample_next
+from aie_lessons.sampling import SamplingParams, greedy_step, make_generator, params_per_row, sample_next
 from aie_lessons.masks import attention_mask
 from aie_lessons.model import LlamaModel, rms_norm, rope_cos_sin
 from aie_lessons.padded_batch import generate_batch, left_pad
@@ -141,7 +141,9 @@ class KVCache:
         A new request reuses the memory by starting again at 0: old entries are overwritten.
         """
         new = k.shape[2]
-        if start < 0 or start + new > self.max_len:
+        if start < 0:
+            raise ValueError(f"start={start}: cache columns start at 0")
+        if start + new > self.max_len:
             raise CacheFullError(
                 f"the KV cache holds {self.max_len} positions; {new} were written at column "
                 f"{start}. Fix: allocate max_len ≥ prompt + max_new_tokens (here {start + new})."
@@ -184,7 +186,7 @@ print("allocated:", cache.nbytes, "bytes; formula:", kv_cache_bytes(config, 2048
 
 from __future__ import annotations
 
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
@@ -197,26 +199,27 @@ def next_positions(is_real: torch.Tensor) -> torch.Tensor:
 
 
 @torch.inference_mode()
-def cached_steps(model: LlamaModel, prompts: list[list[int]], params: SamplingParams) -> Iterator[list[int]]:
+def cached_steps(model: LlamaModel, prompts: list[list[int]], params: list[SamplingParams]) -> Iterator[list[int]]:
     """Next tokens of every sequence: one prefill of the padded prompts, then one decode step each."""
     device = model.embed_tokens.weight.device
-    generators = [make_generator(params.seed, device) for _ in prompts]
+    generators = [make_generator(p.seed, device) for p in params]
     sequences = [list(p) for p in prompts]
+    steps = max(p.max_new_tokens for p in params)
     batch = left_pad(prompts, pad_id=0, device=device)  # any id works: padding is masked out
     width = batch.input_ids.shape[1]
-    cache = KVCache(model.config, len(prompts), width + params.max_new_tokens,
-                    dtype=model.embed_tokens.weight.dtype, device=device)
+    cache = KVCache(model.config, len(prompts), width + steps, dtype=model.embed_tokens.weight.dtype,
+                    device=device)
     padded = not bool(batch.is_real.all())
     is_real = batch.is_real
     # Without padding, the default causal mask is the right one: no mask tensor to build.
     mask = attention_mask(is_real, width) if padded else None
     logits = model(batch.input_ids, batch.positions, mask, cache, cache_start=0, last_position_only=True)
-    for step in range(params.max_new_tokens):
-        tokens = sample_next(logits[:, -1], params, generators, sequences)
+    for step in range(steps):
+        tokens = sample_next(logits, params, generators, sequences)
         for sequence, token in zip(sequences, tokens):
             sequence.append(token)
         yield tokens
-        if step + 1 == params.max_new_tokens:
+        if step + 1 == steps:
             return  # the last token needs no forward pass of its own
         positions = next_positions(is_real)  # RoPE: each sequence's own count of real tokens
         is_real = torch.cat([is_real, torch.ones_like(is_real[:, :1])], dim=1)
@@ -229,13 +232,14 @@ def generate_cached(
     model: LlamaModel,
     tokenizer: Tokenizer,
     prompts: list[list[int]],
-    params: SamplingParams = SamplingParams(),
+    params: SamplingParams | Sequence[SamplingParams] = SamplingParams(),
     on_text: Callable[[int, str], None] | None = None,
 ) -> list[GenerationResult]:
-    """Generation for one or more prompts with a KV cache.
+    """Generation for one or more prompts with a KV cache: one ``SamplingParams`` or one each.
 
     ``on_text(i, text)`` streams prompt ``i``'s text as it is produced.
     """
+    params = params_per_row(params, len(prompts))
     streams = open_streams(model.config, tokenizer, prompts, params, on_text)
     return collect(cached_steps(model, prompts, params), streams)
 
@@ -666,7 +670,11 @@ class FastDecoder:
         self.decode_head = torch.compile(decode_head, options=options) if compile else decode_head
 
     def pack(self, model: LlamaModel) -> list[Any]:
-        """The matrices of ``decode_groups(model)``, in that order, as ``matvec`` will read them."""
+        """The matrices of ``decode_groups(model)``, in that order, as ``matvec`` will read them.
+
+        This one also keeps the block they live in as ``self.block`` (its size is the memory
+        the decoder adds); an override stores its matrices however its ``matvec`` wants.
+        """
         self.block, matrices = pack_weights(model)
         return matrices
 
@@ -721,17 +729,16 @@ class FastDecoder:
         cos, sin = (t[0] for t in rope_cos_sin(positions, model.config.head_dim, model.config.rope_theta))
         calls = self.layer_inputs(cache)
         generators, history = [make_generator(params.seed, device)], list(prompt_ids)
-        greedy = params.greedy and params.repetition_penalty == 1.0
         logits = model(torch.tensor([prompt_ids], device=device), positions[:, :n], cache=cache,
                        cache_start=0, last_position_only=True)
-        token = sample_next(logits[:, -1], params, generators, [history])[0]
+        token = sample_next(logits, [params], generators, [history])[0]
         for t in range(n, max_len):  # t: the position (and cache row) of the token just chosen
             history.append(token)
             yield token
             if t + 1 == max_len:
                 return
-            out = self.step(token, t, calls, cos, sin, greedy)
-            token = int(out) if greedy else sample_next(out[None], params, generators, [history])[0]
+            out = self.step(token, t, calls, cos, sin, params.plain_greedy)
+            token = int(out) if params.plain_greedy else sample_next(out[None, None], [params], generators, [history])[0]
 
     def generate(
         self,
@@ -741,7 +748,7 @@ class FastDecoder:
         on_text: Callable[[str], None] | None = None,
     ) -> GenerationResult:
         """Same contract as ``generate_cached`` for one prompt (same tokens in fp32)."""
-        streams = open_streams(self.model.config, tokenizer, [prompt_ids], params,
+        streams = open_streams(self.model.config, tokenizer, [prompt_ids], [params],
                                on_text and (lambda _, text: on_text(text)))
         return collect(([token] for token in self.tokens(prompt_ids, params)), streams)[0]
 

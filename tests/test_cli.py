@@ -19,7 +19,8 @@ def test_generate_json_has_ids_text_and_timings(tiny_dir):
     out = run("generate", "hello", "--model", str(tiny_dir), "--max-new-tokens", "5", "--json")
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout)
-    assert set(result) == {"prompt_ids", "token_ids", "text", "finish_reason", "timings"}
+    assert set(result) == {"prompt_ids", "token_ids", "text", "finish_reason", "seed", "timings"}
+    assert result["seed"] is None  # greedy: nothing was drawn
     assert result["prompt_ids"] and len(result["token_ids"]) <= 5
     assert {"first_token_s", "total_s", "decode_tokens_per_s"} <= set(result["timings"])
 
@@ -82,6 +83,20 @@ def test_sampling_flags_sample_reproducibly(tiny_untied_dir):
     first, again = (json.loads(run(*args, "--seed", "5").stdout)["token_ids"] for _ in range(2))
     other = json.loads(run(*args, "--seed", "6").stdout)["token_ids"]
     assert first == again and first != greedy and other != first
+    unseeded = json.loads(run(*args).stdout)  # a seed is chosen, reported, and repeats the answer
+    repeated = json.loads(run(*args, "--seed", str(unseeded["seed"])).stdout)
+    assert isinstance(unseeded["seed"], int) and repeated["token_ids"] == unseeded["token_ids"]
+
+
+def test_sampling_flags_at_temperature_zero_get_a_note(tiny_dir):
+    out = run("generate", "x", "--model", str(tiny_dir), "--max-new-tokens", "2", "--top-k", "5", "--seed", "1")
+    assert out.returncode == 0 and "--top-k, --seed only matter when sampling" in out.stderr
+
+
+@pytest.mark.parametrize("old, new", [("--no-cache", "--loop skeleton"), ("--compile", "--loop compiled")])
+def test_the_old_loop_flags_name_their_replacement(tiny_dir, old, new):
+    out = run("generate", "x", "--model", str(tiny_dir), old)
+    assert out.returncode != 0 and f"Fix: use {new}" in out.stderr
 
 
 @pytest.mark.parametrize("flag, value, field", [

@@ -33,7 +33,11 @@ def test_a_flat_rope_theta_still_reads():
     (transformers.LlamaConfig(**SMALL, hidden_act="gelu"), "hidden_act='gelu'"),
     (transformers.MistralConfig(**SMALL, sliding_window=64), "sliding_window=64"),
     (transformers.SmolLM3Config(**{**SMALL, "num_hidden_layers": 8}), r"no_rope_layers=\[1, 1, 1, 0"),
-], ids=["attention-bias", "mlp-bias", "scaled-rope", "gelu", "sliding-window", "no-rope-layers"])
+    (transformers.Qwen2Config(**SMALL, use_sliding_window=False), "model_type='qwen2'"),
+    (transformers.GraniteConfig(**SMALL), "model_type='granite'"),
+    (transformers.LlamaConfig(**SMALL, partial_rotary_factor=0.5), "partial_rotary_factor=0.5"),
+], ids=["attention-bias", "mlp-bias", "scaled-rope", "gelu", "sliding-window", "no-rope-layers", "qwen2",
+        "granite", "partial-rope"])
 def test_features_our_model_lacks_are_refused_naming_the_field(theirs, field):
     with pytest.raises(UnsupportedConfigError, match=rf"{field}.*Fix:"):
         ModelConfig.from_dict(theirs.to_dict())
@@ -42,8 +46,20 @@ def test_features_our_model_lacks_are_refused_naming_the_field(theirs, field):
 @pytest.mark.parametrize("theirs", [
     transformers.LlamaConfig(**SMALL),
     transformers.MistralConfig(**SMALL, sliding_window=None),
-    transformers.Qwen2Config(**SMALL, use_sliding_window=False, sliding_window=4096),
     transformers.SmolLM3Config(**SMALL, no_rope_layers=[1, 1]),
-], ids=["llama", "mistral-no-window", "qwen2-window-off", "smollm3-rope-everywhere"])
+], ids=["llama", "mistral-no-window", "smollm3-rope-everywhere"])
 def test_switched_off_features_are_accepted(theirs):
     ModelConfig.from_dict(theirs.to_dict())
+
+
+def test_rope_parameters_without_a_theta_are_refused():
+    cfg = {**SMALL, "num_hidden_layers": 2,
+           "rope_parameters": {"full_attention": {"rope_theta": 1e6}, "sliding_attention": {"rope_theta": 1e4}}}
+    with pytest.raises(UnsupportedConfigError, match="no rope_theta"):
+        ModelConfig.from_dict(cfg)
+
+
+def test_a_llama_config_with_granite_style_multipliers_is_refused():
+    cfg = {**transformers.LlamaConfig(**SMALL).to_dict(), "embedding_multiplier": 12.0}
+    with pytest.raises(UnsupportedConfigError, match=r"embedding_multiplier=12.0 \(scaled embeddings\)"):
+        ModelConfig.from_dict(cfg)

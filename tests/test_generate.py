@@ -142,3 +142,30 @@ def test_timings_summarise_the_steps(tiny):
     timings = result.timings
     assert set(timings) == {"first_token_s", "total_s", "tokens", "decode_tokens_per_s"}
     assert timings["total_s"] == pytest.approx(sum(result.step_seconds))
+
+
+def test_collect_names_the_running_sequences_when_steps_run_out(tiny):
+    from aie_lessons.output import OutputStream
+
+    _, tokenizer = tiny
+    streams = [OutputStream(tokenizer, [1], SamplingParams(max_new_tokens=5), stop_ids=set()) for _ in range(2)]
+    with pytest.raises(RuntimeError, match=r"ended while sequences \[0, 1\] were still running"):
+        collect(iter([[3, 4]]), streams)
+
+
+def test_collect_closes_the_step_iterator_when_done(tiny):
+    """Closing runs the iterator's cleanup at once (a loop's KV cache is freed then, not later)."""
+    from aie_lessons.output import OutputStream
+
+    _, tokenizer = tiny
+    closed = []
+
+    def steps():
+        try:
+            while True:
+                yield [3]
+        finally:
+            closed.append(True)
+
+    collect(steps(), [OutputStream(tokenizer, [1], SamplingParams(max_new_tokens=2), stop_ids=set())])
+    assert closed == [True]

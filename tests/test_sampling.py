@@ -22,6 +22,7 @@ from aie_lessons.sampling import (
     apply_repetition_penalty,
     filter_top_k_top_p,
     make_generator,
+    params_per_row,
     sample_next,
     sample_row,
 )
@@ -120,7 +121,7 @@ def test_sample_next_is_reproducible_with_a_seed():
 
     def run():
         generators = [make_generator(5), make_generator(6)]
-        return [sample_next(logits, params, generators, [[1, 2], [3]]) for _ in range(20)]
+        return [sample_next(logits[:, None], [params] * 2, generators, [[1, 2], [3]]) for _ in range(20)]
 
     assert run() == run()
 
@@ -132,13 +133,14 @@ def test_a_rows_draws_do_not_depend_on_the_other_rows_in_the_batch():
 
     alone, generator, history = [], make_generator(7), [5, 6]
     for logits in steps:
-        token = sample_next(logits[1:2], params, [generator], [history])[0]
+        token = sample_next(logits[1:2, None], [params], [generator], [history])[0]
         alone.append(token)
         history = history + [token]
 
     batched, generators, histories = [], [make_generator(s) for s in (1, 7, 99)], [[0], [5, 6], []]
+    neighbours = [SamplingParams(temperature=0.5), params, SamplingParams()]  # each row its own params
     for logits in steps:
-        tokens = sample_next(logits, params, generators, histories)
+        tokens = sample_next(logits[:, None], neighbours, generators, histories)
         batched.append(tokens[1])
         histories = [h + [t] for h, t in zip(histories, tokens)]
 
@@ -148,15 +150,29 @@ def test_a_rows_draws_do_not_depend_on_the_other_rows_in_the_batch():
 
 def test_greedy_is_argmax():
     logits = random_logits(4, 500)
-    assert sample_next(logits, SamplingParams(), [], []) == logits.argmax(-1).tolist()
+    assert sample_next(logits[:, None], [SamplingParams()] * 4, [], []) == logits.argmax(-1).tolist()
     generators = [make_generator(0) for _ in range(4)]
     # greedy with a repetition penalty: the argmax of the penalized logits, no randomness
     histories = [[int(logits[i].argmax())] for i in range(4)]
     penalized = torch.stack([apply_repetition_penalty(row, torch.tensor(h), 1e3)
                              for row, h in zip(logits, histories)])
-    got = sample_next(logits, SamplingParams(repetition_penalty=1e3), generators, histories)
+    got = sample_next(logits[:, None], [SamplingParams(repetition_penalty=1e3)] * 4, generators, histories)
     assert got == penalized.argmax(-1).tolist()
     assert got != logits.argmax(-1).tolist()  # the penalty did move the pick
+
+
+def test_a_tiny_temperature_samples_the_best_token_instead_of_overflowing():
+    logits = random_logits(1, 300)[0] * 20  # logits near ±100: divided by 1e-40 they overflow fp32
+    params = SamplingParams(temperature=1e-40, seed=0)
+    assert sample_row(logits, params, make_generator(0), []) == int(logits.argmax())
+
+
+def test_params_per_row_gives_one_each_or_refuses_a_wrong_count():
+    one = SamplingParams(temperature=0.5)
+    assert params_per_row(one, 3) == [one, one, one]
+    assert params_per_row([one, SamplingParams()], 2)[1] == SamplingParams()
+    with pytest.raises(SamplingParamsError, match="got 2 SamplingParams for 3 prompts"):
+        params_per_row([one, one], 3)
 
 
 def test_top_k_keeps_ties_and_top_p_keeps_the_token_crossing_p():
@@ -443,7 +459,7 @@ def test_sample_next_on_the_full_vocabulary_follows_the_filtered_softmax(hf, rea
     params = SamplingParams(temperature=0.9, top_k=30, repetition_penalty=1.2, seed=3)
     probs = expected_probs(hf, row, history, params)
     generator = make_generator(params.seed)
-    samples = torch.tensor([sample_next(row[None], params, [generator], [history])[0] for _ in range(2500)])
+    samples = torch.tensor([sample_next(row[None, None], [params], [generator], [history])[0] for _ in range(2500)])
     counts = torch.bincount(samples, minlength=len(row))
     kept = probs > 0
     assert counts[~kept].sum() == 0

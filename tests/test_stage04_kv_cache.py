@@ -268,3 +268,18 @@ def test_reregistering_a_backend_without_reads_cache_clears_the_flag():
     finally:
         ATTENTION_BACKENDS.pop("flag-test", None)
         CACHE_READING_BACKENDS.discard("flag-test")
+
+
+def test_sampled_padded_batches_give_each_prompt_its_own_seeded_tokens(tiny_untied_dir):
+    """Row i of a sampled batch, cached or not, equals prompt i sampled alone with its params."""
+    model, tokenizer = LlamaModel.from_pretrained(tiny_untied_dir), Tokenizer.from_pretrained(tiny_untied_dir)
+    prompts = [tokenizer.encode(t) for t in ("The quick brown fox", "a", "emoji 🤗 here")]
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True, temperature=t, top_p=0.9, seed=s)
+              for n, t, s in ((10, 1.2, 1), (6, 0.8, 2), (8, 1.5, 3))]
+    alone = [generate(model, tokenizer, p, sp).token_ids for p, sp in zip(prompts, params)]
+    assert all(len(set(a)) > 2 for a in alone), "the tiny model must sample varied tokens"
+    assert [r.token_ids for r in generate_cached(model, tokenizer, prompts, params)] == alone
+    assert [r.token_ids for r in generate_batch(model, tokenizer, prompts, params)] == alone
+    shared = SamplingParams(max_new_tokens=6, temperature=1.2, seed=4)
+    twins = generate_cached(model, tokenizer, [prompts[0], prompts[0]], shared)
+    assert twins[0].token_ids == twins[1].token_ids  # one seed, one answer: the seed is per request

@@ -326,7 +326,8 @@ def _kept_in_token_order(row: torch.Tensor, ids: set[int], top_p: float) -> set[
     return kept
 
 
-TOP_K_TOP_P_CASES = ((0, 1.0), (5, 1.0), (0, 0.6), (5, 0.6), (1, 1.0), (0, 0.02), (50, 1.0), (7, 0.95))
+TOP_K_TOP_P_CASES = ((0, 1.0), (5, 1.0), (0, 0.6), (5, 0.6), (1, 1.0), (0, 0.02), (50, 1.0), (40, 0.9),
+                     (7, 0.95))
 
 
 def check_top_k_top_p(filter_top_k_top_p) -> None:

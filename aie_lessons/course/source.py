@@ -284,6 +284,10 @@ def _import_lines(
     def imports(wanted: dict[str, list[str]], indent: str = "") -> list[str]:
         return sorted(f"{indent}from {PACKAGE}.{m} import {', '.join(n)}" for m, n in wanted.items())
 
+    # A module imported at run time anyway costs nothing more: its annotation-only names join
+    # that import instead of repeating it under TYPE_CHECKING.
+    runtime = {m: sorted([*names, *annotation_only.get(m, [])]) for m, names in runtime.items()}
+    annotation_only = {m: names for m, names in annotation_only.items() if m not in runtime}
     groups = []
     if annotation_only and "TYPE_CHECKING" not in bound:
         groups.append(["from typing import TYPE_CHECKING"])
