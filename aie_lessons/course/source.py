@@ -162,7 +162,8 @@ def _refuse_hand_written(module: str, source_label: str) -> None:
 
 def _top_level_names(tree: ast.Module) -> set[str]:
     """Names a module defines for others to use (functions, classes, assignments) — not its
-    imports, and not dunders such as ``__all__``: every module may have its own of those."""
+    imports, and not private or dunder names (``_helper``, ``__all__``): every module may have
+    its own of those, and no other module imports them."""
     names: set[str] = set()
     for node in tree.body:
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
@@ -170,7 +171,7 @@ def _top_level_names(tree: ast.Module) -> set[str]:
         elif isinstance(node, (ast.Assign, ast.AnnAssign)):
             targets = node.targets if isinstance(node, ast.Assign) else [node.target]
             names |= {t.id for t in targets if isinstance(t, ast.Name)}
-    return {n for n in names if not (n.startswith("__") and n.endswith("__"))}
+    return {n for n in names if not n.startswith("_")}
 
 
 def _bound_names(tree: ast.Module) -> set[str]:
