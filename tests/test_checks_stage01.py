@@ -205,17 +205,21 @@ def keep_top_k(logits, top_k, *, offset=0, strict=False):
     return logits
 
 
-def keep_top_p(logits, top_p, *, inclusive=False, scatter_back=True, sort=True):
+def keep_top_p(logits, top_p, *, inclusive=False, scatter_back=True, sort=True, dtype=torch.float64):
     if top_p >= 1.0:
         return logits
     ranked, order = logits.sort(dim=-1, descending=True) if sort else (logits, None)
-    probs = ranked.softmax(dim=-1)
+    probs = ranked.softmax(dim=-1, dtype=dtype)
     above = probs.cumsum(dim=-1) - (0 if inclusive else probs)
     drop = above >= top_p
     drop[..., 0] = False
     if sort and scatter_back:
         drop = drop.scatter(-1, order, drop)
     return logits.masked_fill(drop, NEG_INF)
+
+
+def tkp_float32_sum(logits, top_k, top_p):
+    return keep_top_p(keep_top_k(logits, top_k), top_p, dtype=torch.float32)
 
 
 def tkp_inclusive_cumsum(logits, top_k, top_p):
@@ -295,8 +299,8 @@ def tkp_kth_without_keepdim(logits, top_k, top_p):
 
 @pytest.mark.parametrize("wrong, message", [
     (tkp_inclusive_cumsum, "top-p dropped the token that crosses p.*exclusive cumulative sum"),
-    (tkp_top_p_before_top_k, "apply top-k first"),
-    (tkp_top_p_over_the_full_row, "apply top-k first"),
+    (tkp_top_p_before_top_k, "not the full distribution; and top-k comes first"),
+    (tkp_top_p_over_the_full_row, "renormalised over the tokens top-k kept"),
     (tkp_k_plus_one, "kept 6 tokens instead of 5: an off-by-one"),
     (tkp_k_minus_one, "kept 4 tokens instead of 5: an off-by-one"),
     (tkp_strictly_above_kth, "off-by-one at the k-th best"),
@@ -309,6 +313,7 @@ def tkp_kth_without_keepdim(logits, top_k, top_p):
     (lambda logits, top_k, top_p: keep_top_p(logits, top_p), "top_k was ignored"),
     (tkp_sorted_mask_not_scattered, "still in sorted order: scatter it back"),
     (tkp_cumsum_in_token_order, "summed in token-id order"),
+    (tkp_float32_sum, "right at the boundary: sum the probabilities in float64"),
     (tkp_top_k_zero_not_special, "raised RuntimeError.*top_k=0, top_p=1.0.*top_k=0 means no top-k limit"),
     (tkp_kth_without_keepdim, "raised RuntimeError.*\\(B, 1\\) column"),
 ])

@@ -340,7 +340,9 @@ def check_top_k_top_p(filter_top_k_top_p) -> None:
         case = f"top_k={top_k}, top_p={top_p}"
         hint = (f"filter_top_k_top_p(logits (B, vocab), top_k, top_p) returns logits of the same "
                 f"shape; this call had {case}. top_k=0 means no top-k limit, top_p=1 no top-p "
-                "limit, and the k-th best of each row is a (B, 1) column: .values[..., -1:]")
+                "limit, a top_k of at least the vocabulary size keeps all (guard with "
+                "0 < top_k < logits.shape[-1]), and the k-th best of each row is a (B, 1) column: "
+                ".values[..., -1:]")
         got = call("1.6", filter_top_k_top_p, logits, top_k, top_p, hint=hint)
         expect_shape("1.6", f"the filtered logits ({case})", got, logits.shape)
         if not torch.equal(logits, original):
@@ -366,8 +368,9 @@ def check_top_k_top_p(filter_top_k_top_p) -> None:
                 fail("1.6", f"({case}) top-p dropped the token that crosses p: keep a token while "
                             "the tokens ranked *above* it hold less than p (exclusive cumulative sum)")
             if top_p < 1 and top_k > 0 and kept == _kept(logits[row], top_k, top_p, p_before_k=True):
-                fail("1.6", f"({case}) top-p must rank the probabilities of the tokens top-k kept: "
-                            "apply top-k first, then the softmax and top-p")
+                fail("1.6", f"({case}) top-p must use the softmax of the top-k-filtered logits "
+                            "(renormalised over the tokens top-k kept), not the full distribution; "
+                            "and top-k comes first")
             if top_k > 0 and top_p >= 1 and len(kept) in (top_k - 1, top_k + 1) and len(expected) == top_k:
                 fail("1.6", f"({case}) kept {len(kept)} tokens instead of {top_k}: an off-by-one at "
                             "the k-th best")
@@ -388,4 +391,33 @@ def check_top_k_top_p(filter_top_k_top_p) -> None:
                 fail("1.6", f"({case}) the probabilities were summed in token-id order: sort them "
                             "from the most likely down before the cumulative sum")
             fail("1.6", f"({case}) row {row} kept tokens {sorted(kept)}, expected {sorted(expected)}")
-    passed("1.6", f"top-k (ties kept) then top-p keep exactly the right tokens in {len(TOP_K_TOP_P_CASES)} cases")
+    _check_top_p_on_a_vocabulary_row(filter_top_k_top_p, g)
+    passed("1.6", f"top-k (ties kept) then top-p keep exactly the right tokens in {len(TOP_K_TOP_P_CASES)} "
+                  "cases and on vocabulary-sized rows")
+
+
+def _top_p_kept_float64(row: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Which tokens of one row top-p keeps, computed in float64 (the exact rule)."""
+    ranked, order = row.double().sort(descending=True)
+    probs = ranked.softmax(-1)
+    keep = (probs.cumsum(-1) - probs) < top_p
+    keep[0] = True
+    return torch.zeros_like(keep).scatter(0, order, keep)
+
+
+def _check_top_p_on_a_vocabulary_row(filter_top_k_top_p, g: torch.Generator) -> None:
+    """Rows as wide as SmolLM2's vocabulary, where a float32 running sum drifts by ~1e-5."""
+    wide = torch.randn(2, 49152, generator=g) * 4
+    for top_p in (0.99, 0.999):
+        got = call("1.6", filter_top_k_top_p, wide, 0, top_p)
+        for row in range(2):
+            kept, expected = torch.isfinite(got[row]), _top_p_kept_float64(wide[row], top_p)
+            if torch.equal(kept, expected):
+                continue
+            if not (kept & ~expected).any():
+                fail("1.6", f"(top_k=0, top_p={top_p}, 49152 tokens) top-p dropped "
+                            f"{int((expected & ~kept).sum())} tokens right at the boundary: sum the "
+                            "probabilities in float64 (softmax(dim=-1, dtype=torch.float64)), a float32 "
+                            "running sum over this many tokens drifts")
+            fail("1.6", f"(top_k=0, top_p={top_p}, 49152 tokens) kept {int(kept.sum())} tokens, "
+                        f"expected {int(expected.sum())}")
