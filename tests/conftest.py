@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -10,6 +11,11 @@ import torch
 from safetensors.torch import save_file
 
 from aie_lessons.infra.paths import CACHE_DIR, DEFAULT_MODEL_NAME, MODELS_DIR
+
+# Without a GPU, Triton can only interpret. Choose that before any test file, torch.compile or
+# transformers gets to import Triton, so that no test's outcome depends on the import order.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 CHATML_TEMPLATE = (
     "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content']"
@@ -73,7 +79,11 @@ def random_weights(cfg: dict, seed: int = 0) -> dict[str, torch.Tensor]:
     def rand(*shape, scale=0.08):
         return torch.randn(*shape, generator=g) * scale
 
-    w = {"model.embed_tokens.weight": rand(v, h, scale=0.5), "model.norm.weight": 1 + rand(h)}
+    # The final norm's weight is centred on 0, not 1. With a tied head the logits are
+    # norm(x) · E, and x is mostly the last token's own embedding e: a weight near 1 makes
+    # e · e the largest logit, so greedy decoding repeats the last token forever and no token
+    # test can tell working code from broken. Signs that vary per coordinate break that echo.
+    w = {"model.embed_tokens.weight": rand(v, h, scale=0.5), "model.norm.weight": rand(h, scale=1.0)}
     for i in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{i}."
         w |= {
@@ -128,6 +138,39 @@ def real_model_dir() -> Path:
         pytest.fail(f"the course model is not at {model_dir}. Fix: run `aie fetch-model` "
                     "(make test does this for you).")
     return model_dir
+
+
+# Fixtures that need the course model downloaded: a test using one is an oracle test, whatever
+# its own marks say, so `make test-fast` (-m "not oracle") never needs the model.
+REAL_MODEL_FIXTURES = {"real_model_dir", "gguf_file", "real_model", "gguf_reference"}
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if REAL_MODEL_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.oracle)
+
+
+@pytest.fixture(scope="session")
+def real_model(real_model_dir):
+    """Our fp32 model of the course checkpoint, loaded once for the tests that only read it."""
+    from aie_lessons.model import LlamaModel
+
+    return LlamaModel.from_pretrained(real_model_dir)
+
+
+@pytest.fixture(scope="session")
+def gguf_reference(gguf_file):
+    """transformers' own reading of the shipped GGUF — its config, its dequantisation, its model.
+
+    Nothing of ours goes into it (not our config.json, not our converted weights), so comparing
+    with it checks our conversion and our config as well as our model.
+    """
+    import transformers
+
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        gguf_file.parent, gguf_file=gguf_file.name, dtype=torch.float32
+    ).eval()
 
 
 @pytest.fixture(scope="session")

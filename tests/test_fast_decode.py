@@ -226,7 +226,7 @@ def test_real_model_fast_decoder_matches_transformers_fp32_and_bf16(real_model_d
     (``assert_greedy_agrees``), up to each answer's first near-tie: 43 of the 160 steps here.
     The test fails when fewer are compared, so it cannot pass by comparing nothing.
     """
-    transformers = pytest.importorskip("transformers", reason="the oracle tests need `pip install -e .[dev]`")
+    import transformers
     tokenizer = Tokenizer.from_pretrained(real_model_dir)
     theirs = transformers.AutoModelForCausalLM.from_pretrained(real_model_dir, dtype=torch.float32).eval()
     fp32 = FastDecoder(LlamaModel.from_pretrained(real_model_dir, dtype=torch.float32))
@@ -245,3 +245,24 @@ def test_real_model_fast_decoder_matches_transformers_fp32_and_bf16(real_model_d
             compared[dtype] += assert_greedy_agrees(tokens, expected, reference_logits, dtype)
     assert compared[torch.float32] == 5 * 32, f"fp32 compared only {compared[torch.float32]} of 160 steps"
     assert compared[torch.bfloat16] >= 35, f"bf16 compared only {compared[torch.bfloat16]} steps, 43 expected"
+
+
+@pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
+def test_every_decode_step_gives_the_eager_models_logits(tiny_untied_dir, compile):
+    """Logits, not only tokens: each fused step at position t against one full forward pass."""
+    from aie_lessons.kv_cache import KVCache
+
+    model = LlamaModel.from_pretrained(tiny_untied_dir)
+    decoder = FastDecoder(model, compile=compile, layers_per_call=1)
+    ids = torch.randint(3, model.config.vocab_size, (1, 14), generator=torch.Generator().manual_seed(5))
+    prefill, n = 5, ids.shape[1]
+    with torch.no_grad():
+        expected = model(ids)[0]  # (n, vocab)
+        cache = KVCache(model.config, 1, n)
+        positions = torch.arange(n)[None]
+        cos, sin = (t[0] for t in rope_cos_sin(positions, model.config.head_dim, model.config.rope_theta))
+        calls = decoder.layer_inputs(cache)
+        model(ids[:, :prefill], positions[:, :prefill], cache=cache, cache_start=0)
+        for t in range(prefill, n):
+            logits = decoder.step(int(ids[0, t]), t, calls, cos, sin, greedy=False)
+            assert (logits - expected[t]).abs().max().item() <= 1e-4, f"position {t}"

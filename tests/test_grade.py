@@ -120,3 +120,75 @@ def test_missing_notebook_and_junit(tmp_path):
 def test_unknown_stage_is_a_clear_error(tmp_path):
     with pytest.raises(GradeError, match="no stage 42"):
         grade(tmp_path, ["42"])
+
+
+# --- cheating attempts: each would pass in the notebook; the sealed checks must catch it ------------
+
+PASS_LINE = "'✓ Exercise 2.1 passed: heads split as (B, S, H, D) → (B, H, S, D) and merged back'"
+WRONG_SPLIT_HEADS = ("def split_heads(x, num_heads):\n"
+                     "    batch, seq, hidden = x.shape\n"
+                     "    return x.reshape(batch, num_heads, seq, hidden // num_heads)\n")
+CHEATS = {
+    "check-replaced": "import aie_lessons.checks.stage02 as c\n"
+                      f"c.check_split_heads = lambda *a, **k: print({PASS_LINE})\n",
+    "fail-silenced": "import aie_lessons.checks.common as common\ncommon.fail = lambda *a, **k: None\n",
+    "print-redefined": "import builtins\n_print = builtins.print\n"
+                       f"builtins.print = lambda *a, **k: _print({PASS_LINE})\n"
+                       "import aie_lessons.checks.stage02 as c\nc.check_split_heads = lambda *a, **k: None\n",
+    "torch-patched": "import torch\ntorch.equal = lambda *a, **k: True\ntorch.allclose = lambda *a, **k: True\n",
+}
+
+
+def cheating_cell(source: str, cheat: str) -> str:
+    """The exercise cell with a wrong split_heads and the cheat appended."""
+    start = source.index("def split_heads")
+    end = source.index("\ndef ", start + 1)
+    return source[:start] + WRONG_SPLIT_HEADS + source[end:] + "\n\n" + CHEATS[cheat]
+
+
+@pytest.mark.parametrize("cheat", CHEATS)
+def test_the_sealed_checks_see_through_each_cheat(cheat):
+    """The learner's module, cheat included, run the way the grader runs it on its own."""
+    import json
+    import subprocess
+    import sys
+
+    from aie_lessons.course.progress import find_stage
+    from aie_lessons.course.source import export_modules
+
+    nb = nbformat.read(NOTEBOOKS_DIR / f"{STAGE}.ipynb", as_version=4)
+    reference = {c.get("id"): c for c in solution().cells}
+    for cell in nb.cells:  # solve every exercise, then break 2.1 and cheat
+        if cell.get("id", "").startswith("s02-ex-"):
+            cell.source = reference[cell.get("id")].source
+    cell = next(c for c in nb.cells if c.get("id") == "s02-ex-2-1")
+    cell.source = cheating_cell(cell.source, cheat)
+    _, _, earlier = find_stage("02")
+    texts = export_modules(nb.cells, "notebooks/02_attention.ipynb", "02", earlier)
+    out = subprocess.run([sys.executable, "-m", "aie_lessons.course.sealed", "02"], input=json.dumps(texts),
+                         capture_output=True, text=True, timeout=600)
+    results = {r["exercise"]: r for r in json.loads(out.stdout.strip().splitlines()[-1])}
+    assert results["2.1"]["passed"] is False, results["2.1"]
+    if cheat != "torch-patched" or "changed" in results["2.1"]["message"]:
+        assert "your code changed" in results["2.1"]["message"]
+
+
+def test_a_cheating_notebook_passes_its_check_cell_but_not_the_grade(tmp_path):
+    """End to end: nbval alone would give 2.1 full marks; the sealed run takes them away."""
+    nb = solution()
+    cell = next(c for c in nb.cells if c.get("id") == "s02-ex-2-1")
+    cell.source = cheating_cell(cell.source, "check-replaced")
+    [result] = grade(submit(tmp_path, nb), ["02"])
+    wrong = next(e for e in result.exercises if e.id == "2.1")
+    assert not wrong.passed and "its check, run on its own: your code changed" in wrong.message, wrong
+
+
+def test_every_exercise_lives_in_an_exported_cell():
+    """The sealed run sees only exported code: an exercise outside it would go unchecked."""
+    from aie_lessons.course.build import ROOTS, load_stages
+    from aie_lessons.course.source import export_target, exercises_in
+
+    for stage in load_stages(ROOTS):
+        for cell in stage.notebook.cells:
+            if cell.cell_type == "code" and exercises_in(cell.source):
+                assert export_target(cell), f"{stage.name}: exercise cell is not exported"

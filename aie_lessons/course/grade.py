@@ -8,7 +8,10 @@ builds a *grading notebook* from the executed solution notebook, cell by cell (p
 * every cell keeps the reference outputs, which nbval compares against a fresh run;
 * cells the learner added run after the cell they followed, with their output not compared.
 
-nbval runs it in a fresh kernel; an exercise passes when its cell and its check cell pass.
+nbval runs it in a fresh kernel. Because an exercise cell shares that kernel with its check, it
+could patch the check; so every check runs a second time in a sealed process
+(:mod:`aie_lessons.course.sealed`) on the learner's exported code. An exercise passes when its
+cell and its check cell pass in the notebook *and* its check passes sealed.
 """
 
 from __future__ import annotations
@@ -27,7 +30,8 @@ import nbformat
 
 from aie_lessons.course.build import SOLUTIONS_DIR, stage_sources
 from aie_lessons.course.nbval_plugin import REPORT_ENV
-from aie_lessons.course.source import checked_exercise, load_stage
+from aie_lessons.course.progress import CheckResult, find_stage
+from aie_lessons.course.source import SourceError, checked_exercise, export_modules, load_stage
 
 SANITIZE_FILE = SOLUTIONS_DIR / "sanitize.cfg"
 DEFAULT_CELL_TIMEOUT_S = 300
@@ -110,6 +114,30 @@ def exercises_in_cell_id(cell_id: str | None) -> list[str]:
     return [part.replace("-", ".", 1) for part in match.group(1).split("_")] if match else []
 
 
+def sealed_checks(number: str, learner: nbformat.NotebookNode, name: str, timeout: int) -> dict[str, CheckResult]:
+    """The stage's checks on the learner's exported code, in a process the learner's code cannot
+    reach before the checks are in place; keyed by exercise."""
+    stage, expected, earlier = find_stage(number)
+    try:
+        texts = export_modules(learner.cells, f"notebooks/{name}.ipynb", number, earlier)
+    except SourceError as exc:
+        texts, problem = {}, f"the notebook's exported cells do not form modules: {exc}"
+    else:
+        missing = sorted(set(expected) - set(texts))
+        problem = f"the notebook has no `# export: {missing[0]}` cell" if missing else ""
+    if not problem:
+        try:
+            out = subprocess.run([sys.executable, "-m", "aie_lessons.course.sealed", number],
+                                 input=json.dumps(texts), capture_output=True, text=True, timeout=timeout)
+            return {r["exercise"]: CheckResult(**r) for r in json.loads(out.stdout.strip().splitlines()[-1])}
+        except subprocess.TimeoutExpired:
+            problem = f"the checks did not finish within {timeout} s when run on their own"
+        except (json.JSONDecodeError, IndexError):
+            problem = "running the checks on your exported code failed: " + (
+                out.stderr.strip().splitlines() or ["no output"])[-1]
+    return {e.id: CheckResult(e.id, False, problem) for e in stage.exercises}
+
+
 def run_nbval(notebook: Path, cell_timeout: int) -> dict[str, dict]:
     """Run nbval on one notebook in a fresh kernel; return each cell's record by id."""
     report = notebook.with_suffix(".cells.jsonl")
@@ -118,7 +146,10 @@ def run_nbval(notebook: Path, cell_timeout: int) -> dict[str, dict]:
            "--nbval-sanitize-with", str(SANITIZE_FILE), "-p", "aie_lessons.course.nbval_plugin",
            "--nbval-cell-timeout", str(cell_timeout), "-q", "-p", "no:cacheprovider",
            "--rootdir", str(notebook.parent)]
-    subprocess.run(cmd, cwd=notebook.parent, env=env, capture_output=True, text=True)
+    out = subprocess.run(cmd, cwd=notebook.parent, env=env, capture_output=True, text=True)
+    if out.returncode not in (0, 1):  # 0: all cells passed, 1: some failed; anything else: nbval broke
+        raise GradeError(f"nbval could not run {notebook.name} (exit status {out.returncode}): "
+                         + " ".join((out.stdout + out.stderr).strip().splitlines()[-3:]))
     records = {}
     if report.exists():
         for line in report.read_text(encoding="utf-8").splitlines():
@@ -169,11 +200,15 @@ def grade_stage(stage_source: Path, submission_dir: Path, cell_timeout: int) -> 
 
     exercise_cell = {e: c.get("id") for c in reference_code for e in exercises_in_cell_id(c.get("id"))}
     check_cell = {checked_exercise(c): c.get("id") for c in reference_code if checked_exercise(c)}
+    sealed = sealed_checks(stage.number, learner, stage.name, timeout=cell_timeout * (len(exercise_ids) + 1))
     for exercise in exercise_ids:
         cells = [exercise_cell.get(exercise), check_cell.get(exercise)]
         failed = [record_of(c) for c in cells if c is not None and not record_of(c)["passed"]]
+        own = sealed.get(exercise, CheckResult(exercise, False, "its check did not run"))
         if failed:
             result.exercises.append(ExerciseResult(exercise, False, _summary(failed[0]["message"])))
+        elif not own.passed:
+            result.exercises.append(ExerciseResult(exercise, False, f"its check, run on its own: {own.message}"))
         else:
             result.exercises.append(ExerciseResult(exercise, True))
     return result

@@ -16,6 +16,7 @@ import subprocess
 import sys
 import textwrap
 import traceback
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -86,8 +87,9 @@ class _Fixtures(dict):
         return self[key]
 
 
-def run_checks(stage: Stage) -> list[CheckResult]:
-    """Run the stage's check cells against the modules the package holds now (in this process)."""
+def check_results(stage: Stage) -> Iterator[CheckResult]:
+    """Run the stage's check cells against the modules the package holds now (in this process),
+    yielding each result as it comes: a caller may look at the process between two checks."""
     import importlib
 
     from aie_lessons import checks
@@ -97,18 +99,21 @@ def run_checks(stage: Stage) -> list[CheckResult]:
     for name in modules:
         module = importlib.import_module(f"{PACKAGE}.{name}")
         namespace.update({k: v for k, v in vars(module).items() if not k.startswith("_")})
-    results = []
     for cell in stage.notebook.cells:
         exercise = checked_exercise(cell)
         if not exercise:
             continue
         try:
             exec(compile(cell.source, f"<check {exercise}>", "exec"), {}, namespace)
-            results.append(CheckResult(exercise, True))
+            yield CheckResult(exercise, True)
         except Exception as exc:  # a failing check is a result to report, not a crash
             message = str(exc) or traceback.format_exception_only(type(exc), exc)[-1].strip()
-            results.append(CheckResult(exercise, False, f"{type(exc).__name__}: {message}"))
-    return results
+            yield CheckResult(exercise, False, f"{type(exc).__name__}: {message}")
+
+
+def run_checks(stage: Stage) -> list[CheckResult]:
+    """Every check of the stage, against the modules the package holds now (in this process)."""
+    return list(check_results(stage))
 
 
 def run_checks_isolated(number: str) -> list[CheckResult]:

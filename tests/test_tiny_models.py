@@ -1,0 +1,44 @@
+"""The tiny random models must be able to tell working code from broken code.
+
+Every fast token test relies on them, so these tests guard what makes them useful: greedy
+decoding produces varied tokens, and our logits equal transformers' on the same checkpoint —
+which fails at once if attention, RoPE or the cache is broken. No real model needed.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers  # a dev dependency: a broken install must fail here, not skip
+
+from aie_lessons.generate import generate
+from aie_lessons.model import LlamaModel
+from aie_lessons.sampling import SamplingParams
+from aie_lessons.tokenizer import Tokenizer
+
+# Every prompt the fast token tests use.
+PROMPTS = ("The quick brown fox", "hello world", "the quick brown fox jumps over", "中文", "emoji 🤗 here",
+           "The quick", "The")
+
+
+@pytest.fixture(scope="module", params=["tied", "untied"])
+def tiny_model(request, tiny_dir, tiny_untied_dir):
+    directory = tiny_dir if request.param == "tied" else tiny_untied_dir
+    return directory, LlamaModel.from_pretrained(directory), Tokenizer.from_pretrained(directory)
+
+
+def test_greedy_decoding_on_the_tiny_models_produces_varied_tokens(tiny_model):
+    _, model, tokenizer = tiny_model
+    distinct = [len(set(generate(model, tokenizer, tokenizer.encode(p),
+                                 SamplingParams(max_new_tokens=12, ignore_eos=True)).token_ids))
+                for p in PROMPTS]
+    assert min(distinct) >= 2 and sum(distinct) / len(distinct) >= 4, distinct
+
+
+def test_tiny_model_logits_equal_transformers(tiny_model):
+    """The architecture against transformers' own Llama, no real weights needed."""
+    directory, model, _ = tiny_model
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    ids = torch.randint(0, model.config.vocab_size, (2, 17), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        assert (model(ids) - theirs(ids).logits).abs().max().item() <= 1e-5
