@@ -27,14 +27,15 @@ lab: venv model
 	$(VENV)/bin/jupyter lab --ServerApp.root_dir=notebooks $(if $(filter 0,$(shell id -u)),--allow-root)
 
 ## test: every test — unit, oracle (vs transformers), derived files in sync, nbval of the
-## solution notebooks, run twice to prove their outputs are deterministic
+## solution notebooks; then the grader on the solutions, which runs every notebook a second time
+## against its reference outputs (proving them deterministic) and must give 100%
 test: venv model
 	$(PY) -m pytest tests solutions/*.ipynb $(NBVAL)
-	$(PY) -m pytest solutions/*.ipynb $(NBVAL) -q
+	$(AIE) grade solutions
 
-## test-fast: unit tests only (tiny random model, seconds)
+## test-fast: unit tests on the tiny random models: no model download, no network, under a minute
 test-fast: venv
-	$(PY) -m pytest tests -m "not oracle" -q
+	$(PY) -m pytest tests -m "not oracle and not slow" -q
 
 ## notebooks: regenerate modules, learner notebooks and executed solutions from solutions/*.py
 notebooks: venv model

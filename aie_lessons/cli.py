@@ -19,6 +19,10 @@ def _fetch_model(args: argparse.Namespace) -> int:
     return 0
 
 
+class UsageError(Exception):
+    """Options that cannot go together, or ask for what this machine lacks; the message says which."""
+
+
 def _sampling_params(args: argparse.Namespace):
     """The request's parameters; a sampled request without --seed gets one, so it can be repeated."""
     import random
@@ -48,10 +52,13 @@ def _generate(args: argparse.Namespace) -> int:
 
     if args.no_cache or args.compile:
         loop = "skeleton" if args.no_cache else "compiled"
-        raise SystemExit(f"aie generate: --no-cache and --compile are now --loop skeleton and "
+        raise UsageError(f"--no-cache and --compile are now --loop skeleton and "
                          f"--loop compiled. Fix: use --loop {loop}")
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise UsageError(f"--device {args.device}: PyTorch sees no CUDA GPU here. "
+                         "Fix: leave out --device (cpu)")
     if args.loop == "compiled" and args.activations != "float32":
-        raise SystemExit("aie generate: --loop compiled computes in float32: drop --activations bfloat16")
+        raise UsageError("--loop compiled computes in float32: drop --activations bfloat16")
     params = _sampling_params(args)  # bad values are refused before the model is loaded
     model_dir = Path(args.model) if args.model else default_model_dir()
     tokenizer = Tokenizer.from_pretrained(model_dir)
@@ -139,8 +146,22 @@ def _reset(args: argparse.Namespace) -> int:
     return 0
 
 
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not a positive number of seconds")
+    return value
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse, with a bad option reported as one line (and where to look) instead of a usage dump."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="aie", description="AI engineering from scratch.")
+    parser = Parser(prog="aie", description="AI engineering from scratch.")
     commands = parser.add_subparsers(dest="command", required=True)
 
     fetch = commands.add_parser("fetch-model", help="download and convert the course model")
@@ -183,7 +204,7 @@ def build_parser() -> argparse.ArgumentParser:
     grade.add_argument("submission", metavar="SUBMISSION_DIR")
     grade.add_argument("--stages", help="comma-separated stage numbers, e.g. 01,02")
     grade.add_argument("--junit", metavar="FILE", help="also write JUnit XML")
-    grade.add_argument("--cell-timeout", type=int, default=300, metavar="SECONDS",
+    grade.add_argument("--cell-timeout", type=positive_int, default=300, metavar="SECONDS",
                        help="a cell running longer fails (default 300)")
     grade.set_defaults(run=_grade)
 
@@ -206,7 +227,7 @@ COURSE_ERRORS = (
     ("aie_lessons.course.grade", "GradeError"),
     ("aie_lessons.course.progress", "ProgressError"),
     ("aie_lessons.course.source", "SourceError"),
-    ("aie_lessons.config", "UnsupportedConfigError"),
+    ("aie_lessons.config", "ConfigError"),
     ("aie_lessons.generate", "PromptError"),
     ("aie_lessons.infra.model_files", "ModelFilesError"),
     ("aie_lessons.kv_cache", "CacheFullError"),
@@ -222,7 +243,7 @@ def is_course_error(exc: Exception) -> bool:
     broken committed stage would stop even ``aie reset`` from starting. A module that fails to
     import cannot have raised the error: it is simply not one of the candidates.
     """
-    if isinstance(exc, FileNotFoundError):
+    if isinstance(exc, (FileNotFoundError, UsageError)):
         return True
     for module, name in COURSE_ERRORS:
         loaded = sys.modules.get(module)

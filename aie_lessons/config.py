@@ -9,7 +9,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 
-class UnsupportedConfigError(ValueError):
+class ConfigError(ValueError):
+    """A config.json that cannot be read as a Llama-family model's config."""
+
+
+class UnsupportedConfigError(ConfigError):
     """A checkpoint asks for an architecture feature this model does not implement."""
 
 
@@ -137,7 +141,16 @@ class ModelConfig:
                 f"no model config at {path}. Fix: run `aie fetch-model` (or point "
                 "AIE_MODEL_DIR at a HuggingFace checkpoint folder)."
             )
-        return cls.from_dict(json.loads(path.read_text()))
+        try:
+            cfg = json.loads(path.read_text())
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"{path} is not valid JSON ({exc}). Fix: restore the file, e.g. "
+                              "with `aie fetch-model --force`") from exc
+        try:
+            return cls.from_dict(cfg)
+        except KeyError as exc:
+            raise ConfigError(f"{path} has no {exc.args[0]!r}, which every Llama config gives. "
+                              "Fix: restore the file, e.g. with `aie fetch-model --force`") from exc
 
     @property
     def queries_per_kv_head(self) -> int:

@@ -11,6 +11,9 @@ import pytest
 AIE = [sys.executable, "-m", "aie_lessons.cli"]
 
 
+pytestmark = pytest.mark.slow  # every test here starts the console script (a new Python, torch imported)
+
+
 def run(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([*AIE, *args], capture_output=True, text=True, timeout=600)
 
@@ -120,3 +123,95 @@ def test_unknown_loop_is_refused(tiny_dir):
 def test_compiled_loop_with_bf16_activations_is_refused(tiny_dir):
     out = run("generate", "x", "--model", str(tiny_dir), "--loop", "compiled", "--activations", "bfloat16")
     assert out.returncode != 0 and "--loop compiled computes in float32" in out.stderr
+
+
+# --- every command, and every bad input a user can type: one line, exit status 2 ---------------
+
+
+@pytest.fixture(scope="module")
+def broken_checkpoints(tiny_dir, tmp_path_factory):
+    """Copies of the tiny checkpoint with a config.json that is not JSON, lacks a field, or asks
+    for an architecture we do not implement."""
+    import shutil
+
+    root = tmp_path_factory.mktemp("broken")
+    configs = {"not-json": "{ this is not json",
+               "no-field": json.dumps({k: v for k, v in json.loads((tiny_dir / "config.json").read_text()).items()
+                                       if k != "hidden_size"}),
+               "qwen2": json.dumps({**json.loads((tiny_dir / "config.json").read_text()), "model_type": "qwen2"})}
+    for name, text in configs.items():
+        shutil.copytree(tiny_dir, root / name)
+        (root / name / "config.json").write_text(text)
+    return root
+
+
+BAD_INPUTS = [
+    (("generate", "", "--model", "{tiny}"), "the prompt is empty"),
+    (("generate", "x", "--model", "{tiny}", "--max-new-tokens", "-1"), "max_new_tokens=-1 is invalid"),
+    (("generate", "x", "--model", "{tiny}", "--max-new-tokens", "many"), "invalid int value: 'many'"),
+    (("generate", "x", "--model", "{tiny}", "--max-new-tokens", "100"), "context is 64 tokens"),
+    (("generate", "x", "--model", "{tiny}", "--device", "cuda"), "PyTorch sees no CUDA GPU"),
+    (("generate", "x", "--model", "{tmp}/nowhere"), "nowhere/tokenizer.json. Fix: run `aie fetch-model`"),
+    (("generate", "x", "--model", "{broken}/not-json"), "is not valid JSON"),
+    (("generate", "x", "--model", "{broken}/no-field"), "has no 'hidden_size'"),
+    (("generate", "x", "--model", "{broken}/qwen2"), "model_type='qwen2'"),
+    (("generate", "x", "--dtype", "float8"), "invalid choice: 'float8'"),
+    (("fetch-model", "--from", "{tmp}/nowhere"), "is not a directory"),
+    (("grade", "{tmp}/nowhere"), "is not a folder"),
+    (("grade", "{tmp}", "--stages", "42"), "no stage 42"),
+    (("grade", "{tmp}", "--cell-timeout", "0"), "not a positive number of seconds"),
+    (("commit", "42"), "there is no stage 42"),
+    (("commit", "02", "--notebook", "{tmp}/missing.ipynb"), "missing.ipynb does not exist"),
+    (("reset", "42"), "there is no stage 42"),
+    (("frobnicate",), "invalid choice: 'frobnicate'"),
+]
+
+
+@pytest.mark.parametrize("args, message", BAD_INPUTS, ids=lambda v: " ".join(v) if isinstance(v, tuple) else None)
+def test_bad_input_gets_one_line_and_exit_status_2(args, message, tiny_dir, broken_checkpoints, tmp_path):
+    places = {"tiny": str(tiny_dir), "tmp": str(tmp_path), "broken": str(broken_checkpoints)}
+    out = run(*(a.format(**places) for a in args))
+    lines = [line for line in out.stderr.splitlines() if line.strip() and "note:" not in line]
+    assert out.returncode == 2, out.stderr
+    assert message in out.stderr and "Traceback" not in out.stderr, out.stderr
+    assert len(lines) == 1, out.stderr
+
+
+def test_status_lists_every_stage_and_its_modules():
+    out = run("status")
+    assert out.returncode == 0, out.stderr
+    for name in ("01_skeleton_loop", "02_attention", "03_masks", "04_kv_cache", "05_flash_attention"):
+        assert name in out.stdout
+    assert "aie_lessons/sampling.py" in out.stdout
+
+
+def test_env_reports_the_machine():
+    out = run("env")
+    assert out.returncode == 0 and "torch" in out.stdout.lower(), out.stderr
+
+
+def test_commit_of_an_unsolved_notebook_is_refused_and_changes_nothing(tmp_path):
+    import shutil
+
+    from aie_lessons.course.build import NOTEBOOKS_DIR, PACKAGE_DIR
+
+    before = (PACKAGE_DIR / "attention.py").read_text()
+    shutil.copy(NOTEBOOKS_DIR / "02_attention.ipynb", tmp_path)
+    out = run("commit", "02", "--notebook", str(tmp_path / "02_attention.ipynb"))
+    assert out.returncode == 1 and "not committed" in out.stdout and "is not implemented yet" in out.stdout
+    assert (PACKAGE_DIR / "attention.py").read_text() == before
+
+
+def test_reset_puts_the_reference_back():
+    from aie_lessons.course.build import PACKAGE_DIR
+
+    before = (PACKAGE_DIR / "attention.py").read_text()
+    out = run("reset", "02")
+    assert out.returncode == 0 and "reset" in out.stdout
+    assert (PACKAGE_DIR / "attention.py").read_text() == before  # it held the reference already
+
+
+def test_grade_through_the_console_script(tmp_path):
+    out = run("grade", str(tmp_path), "--stages", "02", "--junit", str(tmp_path / "report.xml"))
+    assert out.returncode == 1 and "02_attention" in out.stdout and "not in the submission" in out.stdout
+    assert (tmp_path / "report.xml").exists()

@@ -124,7 +124,7 @@ def test_decode_attention_equals_sdpa_with_grouped_heads():
     assert torch.allclose(decode_attention(q, k, v), expected, atol=1e-6)
 
 
-@pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("compile", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["eager", "compiled"])
 def test_rope_one_token_is_stage_02_rope(compile):
     x = torch.randn(6, 16, generator=torch.Generator().manual_seed(0))
     cos, sin = rope_cos_sin(torch.tensor([[37]]), 16, 10000.0)  # (1, 1, 16): position 37
@@ -134,7 +134,7 @@ def test_rope_one_token_is_stage_02_rope(compile):
     assert not torch.allclose(expected, x * cos[0, 0] + x.flip(-1) * sin[0, 0], atol=1e-3)  # pairs matter
 
 
-@pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("compile", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["eager", "compiled"])
 def test_gemv_multiplies_bf16_weights_in_fp32(compile):
     weight = torch.randn(5, 64).bfloat16()
     x = torch.randn(64)
@@ -143,7 +143,7 @@ def test_gemv_multiplies_bf16_weights_in_fp32(compile):
     assert torch.allclose(out.double(), weight.double() @ x.double(), atol=1e-5)  # x not rounded to bf16
 
 
-@pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("compile", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["eager", "compiled"])
 def test_same_tokens_as_generate_cached(tiny, compile):
     model, tokenizer = tiny
     expected = [generate_cached(model, tokenizer, [p], PARAMS)[0] for p in prompts(tokenizer)]
@@ -247,7 +247,7 @@ def test_real_model_fast_decoder_matches_transformers_fp32_and_bf16(real_model_d
     assert compared[torch.bfloat16] >= 35, f"bf16 compared only {compared[torch.bfloat16]} steps, 43 expected"
 
 
-@pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("compile", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["eager", "compiled"])
 def test_every_decode_step_gives_the_eager_models_logits(tiny_untied_dir, compile):
     """Logits, not only tokens: each fused step at position t against one full forward pass."""
     from aie_lessons.kv_cache import KVCache

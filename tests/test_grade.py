@@ -29,12 +29,13 @@ def exercises(result) -> dict[str, bool]:
     return {e.id: e.passed for e in result.exercises}
 
 
-def test_solution_notebooks_grade_100_percent():
-    results = grade(SOLUTIONS_DIR)
-    assert [r.name for r in results] == sorted(p.stem for p in SOLUTIONS_DIR.glob("[0-9][0-9]_*.ipynb"))
-    for r in results:
-        assert r.passed, format_report([r])
-        assert r.cells_matched == r.cells_total > 0
+def test_make_test_grades_the_solution_notebooks():
+    """The solutions grading 100% is `make test`'s last step (`aie grade solutions`), which is also
+    the second run of every solution notebook: one run serves both, instead of a third."""
+    from aie_lessons.infra.paths import REPO_ROOT
+
+    makefile = (REPO_ROOT / "Makefile").read_text()
+    assert "\t$(AIE) grade solutions\n" in makefile.split("\ntest:", 1)[1].split("\n\n", 1)[0] + "\n"
 
 
 def test_untouched_learner_notebook_grades_zero_with_not_implemented(tmp_path):

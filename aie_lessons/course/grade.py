@@ -253,6 +253,9 @@ def write_junit(results: list[StageResult], path: Path) -> None:
 
 def grade(submission_dir: Path, stages: list[str] | None = None,
           cell_timeout: int = DEFAULT_CELL_TIMEOUT_S) -> list[StageResult]:
+    if not submission_dir.is_dir():
+        raise GradeError(f"{submission_dir} is not a folder. Fix: pass the folder that holds the "
+                         "learner's NN_name.ipynb notebooks")
     sources = [s for s in stage_sources() if not stages or s.name[:2] in stages]
     if stages:
         unknown = sorted(set(stages) - {s.name[:2] for s in sources})
