@@ -5,17 +5,20 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
-AIE = [sys.executable, "-m", "aie_lessons.cli"]
+# The console script `pip install` made, as a user runs it (not `python -m`, which would also put
+# the working directory first on the import path).
+AIE = [str(Path(sys.executable).parent / "aie")]
 
 
 pytestmark = pytest.mark.slow  # every test here starts the console script (a new Python, torch imported)
 
 
-def run(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([*AIE, *args], capture_output=True, text=True, timeout=600)
+def run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([*AIE, *args], capture_output=True, text=True, timeout=600, env=env)
 
 
 def test_generate_json_has_ids_text_and_timings(tiny_dir):
@@ -190,25 +193,27 @@ def test_env_reports_the_machine():
     assert out.returncode == 0 and "torch" in out.stdout.lower(), out.stderr
 
 
-def test_commit_of_an_unsolved_notebook_is_refused_and_changes_nothing(tmp_path):
+def test_commit_and_reset_through_the_console_script(tmp_path):
+    """In a copy of the course: an unsolved notebook is refused and changes nothing; a solved one
+    is committed; reset puts the reference back."""
     import shutil
 
-    from aie_lessons.course.build import NOTEBOOKS_DIR, PACKAGE_DIR
+    from course_copy import copy_course, course_env
 
-    before = (PACKAGE_DIR / "attention.py").read_text()
-    shutil.copy(NOTEBOOKS_DIR / "02_attention.ipynb", tmp_path)
-    out = run("commit", "02", "--notebook", str(tmp_path / "02_attention.ipynb"))
+    from aie_lessons.course.build import SOLUTIONS_DIR
+
+    course = copy_course(tmp_path / "course")
+    env, attention = course_env(course), course / "aie_lessons" / "attention.py"
+    reference = attention.read_text()
+    out = run("commit", "02", env=env)  # the copy's own, untouched notebooks/02_attention.ipynb
     assert out.returncode == 1 and "not committed" in out.stdout and "is not implemented yet" in out.stdout
-    assert (PACKAGE_DIR / "attention.py").read_text() == before
-
-
-def test_reset_puts_the_reference_back():
-    from aie_lessons.course.build import PACKAGE_DIR
-
-    before = (PACKAGE_DIR / "attention.py").read_text()
-    out = run("reset", "02")
-    assert out.returncode == 0 and "reset" in out.stdout
-    assert (PACKAGE_DIR / "attention.py").read_text() == before  # it held the reference already
+    assert attention.read_text() == reference
+    shutil.copy(SOLUTIONS_DIR / "02_attention.ipynb", tmp_path / "solved.ipynb")
+    out = run("commit", "02", "--notebook", str(tmp_path / "solved.ipynb"), env=env)
+    assert out.returncode == 0 and "committed" in out.stdout, out.stdout + out.stderr
+    assert attention.read_text() != reference and "yours" in run("status", env=env).stdout
+    out = run("reset", "02", env=env)
+    assert out.returncode == 0 and attention.read_text() == reference
 
 
 def test_grade_through_the_console_script(tmp_path):

@@ -84,3 +84,43 @@ def test_perplexity_on_prose_equals_transformers_and_needs_the_unpermute(real_mo
             attn.q_proj.weight = torch.nn.Parameter(torch.from_numpy(q.copy()))
             attn.k_proj.weight = torch.nn.Parameter(torch.from_numpy(k.copy()))
     assert perplexity(model, ids) > 10 * fixed
+
+
+def dequantize_q8_0(blocks: np.ndarray) -> np.ndarray:
+    """ggml's Q8_0, written from its block layout: per 32 weights an fp16 scale d and 32 int8 q;
+    weight = d · q. ``blocks`` is (rows, n_blocks · 34) raw bytes."""
+    rows = blocks.reshape(blocks.shape[0], -1, 34)
+    d = rows[..., :2].copy().view(np.float16).astype(np.float32)  # (rows, n_blocks, 1)
+    q = rows[..., 2:].copy().view(np.int8).astype(np.float32)  # (rows, n_blocks, 32)
+    return (d * q).reshape(blocks.shape[0], -1)
+
+
+def dequantize_q4_1(blocks: np.ndarray) -> np.ndarray:
+    """ggml's Q4_1: per 32 weights an fp16 scale d, an fp16 minimum m and 16 bytes of 4-bit
+    codes, the low nibbles for weights 0–15 and the high ones for 16–31; weight = d · code + m."""
+    rows = blocks.reshape(blocks.shape[0], -1, 20)
+    d = rows[..., 0:2].copy().view(np.float16).astype(np.float32)
+    m = rows[..., 2:4].copy().view(np.float16).astype(np.float32)
+    codes = rows[..., 4:]
+    nibbles = np.concatenate([codes & 0x0F, codes >> 4], axis=-1).astype(np.float32)  # (rows, n_blocks, 32)
+    return (d * nibbles + m).reshape(blocks.shape[0], -1)
+
+
+@pytest.mark.parametrize("gguf_name, ours, dequantize", [
+    ("token_embd.weight", "model.embed_tokens.weight", dequantize_q8_0),
+    ("blk.0.ffn_down.weight", "model.layers.0.mlp.down_proj.weight", dequantize_q4_1),
+    ("blk.29.ffn_gate.weight", "model.layers.29.mlp.gate_proj.weight", dequantize_q4_1),
+])
+def test_dequantisation_agrees_with_the_block_format_written_out(real_model_dir, gguf_file, gguf_name, ours,
+                                                                 dequantize):
+    """Our converter and transformers both call the gguf library to dequantise; this reads the raw
+    blocks with the format spelled out by hand, so a shared mistake would show."""
+    from gguf import GGUFReader
+    from safetensors import safe_open
+
+    tensor = next(t for t in GGUFReader(gguf_file).tensors if t.name == gguf_name)
+    expected = dequantize(np.asarray(tensor.data))
+    with safe_open(real_model_dir / "model.safetensors", "pt") as weights:
+        converted = weights.get_tensor(ours).numpy()
+    assert converted.shape == expected.shape
+    np.testing.assert_allclose(converted, expected, rtol=1e-6, atol=1e-7)

@@ -18,19 +18,16 @@ from aie_lessons.course.progress import (
     verify_committed_stages,
 )
 
+from course_copy import copy_course, run_in
 from test_course_build import SCHEDULER, fake_course
 
 pytestmark = pytest.mark.oracle  # the checks run on the real model
 
 
 @pytest.fixture
-def restore_package():
-    """Whatever a test commits, the package is the reference again afterwards."""
-    saved = {p: p.read_text() for p in build.PACKAGE_DIR.rglob("*.py") if build.generated_from(p)}
-    yield
-    for path, text in saved.items():
-        path.write_text(text)
-    assert build.build(check=True) == []
+def course(tmp_path):
+    """A copy of the course that commit and reset may write; the checkout stays untouched."""
+    return copy_course(tmp_path / "course")
 
 
 def solved_notebook(tmp_path, name="02_attention"):
@@ -39,24 +36,36 @@ def solved_notebook(tmp_path, name="02_attention"):
     return path
 
 
-def test_untouched_notebook_is_not_committed(restore_package):
-    before = (build.PACKAGE_DIR / "attention.py").read_text()
-    results = commit("02")
-    assert not any(r.passed for r in results)
-    assert "Exercise 2.1 is not implemented yet" in results[0].message
-    assert (build.PACKAGE_DIR / "attention.py").read_text() == before
+PRELUDE = """
+import json
+from aie_lessons.course import build
+from aie_lessons.course.progress import LEARNER_MARK, ProgressError, commit, find_stage, is_committed, reset, status_table
+attention = build.PACKAGE_DIR / "attention.py"
+"""
 
 
-def test_commit_then_reset(tmp_path, restore_package):
-    stage, _, _ = find_stage("02")
-    results = commit("02", solved_notebook(tmp_path))
-    assert results and all(r.passed for r in results)
-    assert (build.PACKAGE_DIR / "attention.py").read_text().startswith(LEARNER_MARK)
-    assert is_committed(stage)
-    assert "yours (committed)" in status_table()
-    reset("02")
-    assert not is_committed(stage)
-    assert build.build(check=True) == []
+def test_untouched_notebook_is_not_committed(course):
+    result = run_in(course, PRELUDE + """
+before = attention.read_text()
+results = commit("02")
+print(json.dumps({"passed": [r.passed for r in results], "first": results[0].message,
+                  "unchanged": attention.read_text() == before}))
+""")
+    assert not any(result["passed"]) and result["unchanged"]
+    assert "Exercise 2.1 is not implemented yet" in result["first"]
+
+
+def test_commit_then_reset(tmp_path, course):
+    result = run_in(course, PRELUDE + f"""
+stage, _, _ = find_stage("02")
+results = commit("02", __import__("pathlib").Path({str(solved_notebook(tmp_path))!r}))
+committed = [all(r.passed for r in results), attention.read_text().startswith(LEARNER_MARK),
+             is_committed(stage), "yours (committed)" in status_table()]
+reset("02")
+print(json.dumps({{"committed": committed, "after_reset": [is_committed(stage), build.build(check=True, run=False)]}}))
+""")
+    assert result["committed"] == [True, True, True, True]
+    assert result["after_reset"] == [False, []]
 
 
 def test_status_shows_the_modules_of_each_stage(monkeypatch):
@@ -85,42 +94,42 @@ def test_commit_and_reset_write_modules_of_subpackages(tmp_path, monkeypatch):
     assert build.build(check=True, run=False, roots=roots) == ["solutions/01_demo.ipynb"]
 
 
-def test_wrong_code_is_refused_and_the_package_left_alone(tmp_path, restore_package):
+def test_wrong_code_is_refused_and_the_package_left_alone(tmp_path, course):
     path = solved_notebook(tmp_path)
     nb = nbformat.read(path, as_version=4)
     for cell in nb.cells:
         if cell.get("id") == "s02-ex-2-2":
             cell.source = cell.source.replace("* q.shape[-1] ** -0.5", "")
     nbformat.write(nb, path)
-    before = (build.PACKAGE_DIR / "attention.py").read_text()
-    results = commit("02", path)
-    failed = [r.exercise for r in results if not r.passed]
-    assert failed == ["2.2"]
-    assert (build.PACKAGE_DIR / "attention.py").read_text() == before
+    result = run_in(course, PRELUDE + f"""
+before = attention.read_text()
+results = commit("02", __import__("pathlib").Path({str(path)!r}))
+print(json.dumps({{"failed": [r.exercise for r in results if not r.passed], "unchanged": attention.read_text() == before}}))
+""")
+    assert result == {"failed": ["2.2"], "unchanged": True}
 
 
-def test_missing_export_cell_is_a_clear_error(tmp_path, restore_package):
+def test_missing_export_cell_is_a_clear_error(tmp_path):
     path = solved_notebook(tmp_path)
     nb = nbformat.read(path, as_version=4)
     nb.cells = [c for c in nb.cells if not c.source.startswith("# export: shapes")]
     nbformat.write(nb, path)
     with pytest.raises(ProgressError, match="no `# export: shapes` cell"):
-        commit("02", path)
+        commit("02", path)  # refused before anything is written
 
 
-def test_a_broken_committed_stage_is_named_by_later_notebooks(tmp_path, restore_package):
-    assert all(r.passed for r in commit("02", solved_notebook(tmp_path)))
-    module = build.PACKAGE_DIR / "attention.py"
-    module.write_text(module.read_text().replace("return q.view(batch, num_kv_heads",
-                                                 "return q.clone().view(batch, num_kv_heads"))
-    import importlib
-    import sys
-
-    sys.modules.pop("aie_lessons.attention", None)
-    try:
-        with pytest.raises(ProgressError, match=r"(?s)stage 02 holds your committed code.*2\.3.*aie reset 02"):
-            verify_committed_stages(before="03")
-    finally:
-        sys.modules.pop("aie_lessons.attention", None)
-        reset("02")
-        importlib.import_module("aie_lessons.attention")
+def test_a_broken_committed_stage_is_named_by_later_notebooks(tmp_path, course):
+    result = run_in(course, PRELUDE + f"""
+from aie_lessons.course.progress import verify_committed_stages
+assert all(r.passed for r in commit("02", __import__("pathlib").Path({str(solved_notebook(tmp_path))!r})))
+attention.write_text(attention.read_text().replace("return q.view(batch, num_kv_heads",
+                                                   "return q.clone().view(batch, num_kv_heads"))
+try:
+    verify_committed_stages(before="03")
+    message = None
+except ProgressError as error:
+    message = str(error)
+print(json.dumps(message))
+""")
+    assert result is not None
+    assert "stage 02 holds your committed code" in result and "2.3" in result and "aie reset 02" in result
