@@ -193,3 +193,11 @@ def test_every_exercise_lives_in_an_exported_cell():
         for cell in stage.notebook.cells:
             if cell.cell_type == "code" and exercises_in(cell.source):
                 assert export_target(cell), f"{stage.name}: exercise cell is not exported"
+
+
+def test_nbval_failing_to_run_is_an_error_not_a_silent_zero(tmp_path):
+    """pytest's exit status 4 (usage error) means nbval never ran a cell: say so, do not grade 0."""
+    from aie_lessons.course.grade import run_nbval
+
+    with pytest.raises(GradeError, match=r"nbval could not run missing.ipynb \(exit status 4\)"):
+        run_nbval(tmp_path / "missing.ipynb", cell_timeout=10)
