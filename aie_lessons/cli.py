@@ -43,6 +43,23 @@ def _sampling_params(args: argparse.Namespace):
     )
 
 
+def check_device(name: str) -> None:
+    """Refuse a device this machine does not have, before anything is loaded onto it."""
+    import torch
+
+    try:
+        device = torch.device(name)
+    except RuntimeError as exc:
+        raise UsageError(f"--device {name}: {exc}. Fix: use cpu or cuda") from exc
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise UsageError(f"--device {name}: PyTorch sees no CUDA GPU here. Fix: leave out --device (cpu)")
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        raise UsageError(f"--device {name}: this machine has {torch.cuda.device_count()} CUDA GPU(s), "
+                         "numbered from 0")
+    if device.type not in ("cpu", "cuda"):
+        raise UsageError(f"--device {name}: the course runs on cpu or cuda")
+
+
 def _generate(args: argparse.Namespace) -> int:
     import torch
 
@@ -54,9 +71,7 @@ def _generate(args: argparse.Namespace) -> int:
         loop = "skeleton" if args.no_cache else "compiled"
         raise UsageError(f"--no-cache and --compile are now --loop skeleton and "
                          f"--loop compiled. Fix: use --loop {loop}")
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        raise UsageError(f"--device {args.device}: PyTorch sees no CUDA GPU here. "
-                         "Fix: leave out --device (cpu)")
+    check_device(args.device)
     if args.loop == "compiled" and args.activations != "float32":
         raise UsageError("--loop compiled computes in float32: drop --activations bfloat16")
     params = _sampling_params(args)  # bad values are refused before the model is loaded
@@ -243,7 +258,7 @@ def is_course_error(exc: Exception) -> bool:
     broken committed stage would stop even ``aie reset`` from starting. A module that fails to
     import cannot have raised the error: it is simply not one of the candidates.
     """
-    if isinstance(exc, (FileNotFoundError, UsageError)):
+    if isinstance(exc, (OSError, UsageError)):  # files: missing, a folder, no permission
         return True
     for module, name in COURSE_ERRORS:
         loaded = sys.modules.get(module)

@@ -32,7 +32,9 @@ def course_env(course: Path) -> dict[str, str]:
 
 def run_in(course: Path, code: str) -> object:
     """Run ``code`` in a fresh Python inside the copy; it must print one JSON value last."""
-    out = subprocess.run([sys.executable, "-c", code], cwd=course, env=course_env(course),
+    guard = (f"import aie_lessons\nassert aie_lessons.__file__.startswith({str(course)!r}), "
+             "'the copy must be the package imported, or the test would write the real one'\n")
+    out = subprocess.run([sys.executable, "-c", guard + code], cwd=course, env=course_env(course),
                          capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout.strip().splitlines()[-1])

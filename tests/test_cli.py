@@ -68,7 +68,8 @@ def test_bf16_weights_with_either_activation_dtype(tiny_dir):
 
 @pytest.mark.oracle
 def test_chat_answer_about_france(real_model_dir):
-    out = run("generate", "--chat", "What is the capital of France?", "--max-new-tokens", "32")
+    out = run("generate", "--chat", "What is the capital of France?", "--max-new-tokens", "32",
+              "--model", str(real_model_dir))
     assert out.returncode == 0, out.stderr
     assert "Paris" in out.stdout
 
@@ -153,7 +154,11 @@ BAD_INPUTS = [
     (("generate", "x", "--model", "{tiny}", "--max-new-tokens", "-1"), "max_new_tokens=-1 is invalid"),
     (("generate", "x", "--model", "{tiny}", "--max-new-tokens", "many"), "invalid int value: 'many'"),
     (("generate", "x", "--model", "{tiny}", "--max-new-tokens", "100"), "context is 64 tokens"),
-    (("generate", "x", "--model", "{tiny}", "--device", "cuda"), "PyTorch sees no CUDA GPU"),
+    pytest.param(("generate", "x", "--model", "{tiny}", "--device", "cuda"), "PyTorch sees no CUDA GPU",
+                 marks=pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="this machine has a GPU")),
+    (("generate", "x", "--model", "{tiny}", "--device", "cuda:99"), "cuda:99"),
+    (("generate", "x", "--model", "{tiny}", "--device", "tpu"), "--device tpu"),
+    (("grade", "{tmp}", "--stages", "02", "--junit", "{tmp}"), "Is a directory"),
     (("generate", "x", "--model", "{tmp}/nowhere"), "nowhere/tokenizer.json. Fix: run `aie fetch-model`"),
     (("generate", "x", "--model", "{broken}/not-json"), "is not valid JSON"),
     (("generate", "x", "--model", "{broken}/no-field"), "has no 'hidden_size'"),
@@ -193,7 +198,7 @@ def test_env_reports_the_machine():
     assert out.returncode == 0 and "torch" in out.stdout.lower(), out.stderr
 
 
-def test_commit_and_reset_through_the_console_script(tmp_path):
+def test_commit_and_reset_through_the_console_script(tmp_path, real_model_dir):
     """In a copy of the course: an unsolved notebook is refused and changes nothing; a solved one
     is committed; reset puts the reference back."""
     import shutil

@@ -129,14 +129,38 @@ PASS_LINE = "'✓ Exercise 2.1 passed: heads split as (B, S, H, D) → (B, H, S,
 WRONG_SPLIT_HEADS = ("def split_heads(x, num_heads):\n"
                      "    batch, seq, hidden = x.shape\n"
                      "    return x.reshape(batch, num_heads, seq, hidden // num_heads)\n")
+# Each cheat, appended to the exercise cell after a wrong split_heads, with what must stop it:
+# "changed" — the sealed run names the tampering; "wrong" — the cheat has no effect and the
+# check reports the wrong code as usual.
 CHEATS = {
-    "check-replaced": "import aie_lessons.checks.stage02 as c\n"
-                      f"c.check_split_heads = lambda *a, **k: print({PASS_LINE})\n",
-    "fail-silenced": "import aie_lessons.checks.common as common\ncommon.fail = lambda *a, **k: None\n",
-    "print-redefined": "import builtins\n_print = builtins.print\n"
-                       f"builtins.print = lambda *a, **k: _print({PASS_LINE})\n"
-                       "import aie_lessons.checks.stage02 as c\nc.check_split_heads = lambda *a, **k: None\n",
-    "torch-patched": "import torch\ntorch.equal = lambda *a, **k: True\ntorch.allclose = lambda *a, **k: True\n",
+    "check-replaced": ("changed", "import aie_lessons.checks.stage02 as c\n"
+                                  f"c.check_split_heads = lambda *a, **k: print({PASS_LINE})\n"),
+    "fail-silenced": ("changed", "import aie_lessons.checks.common as common\ncommon.fail = lambda *a, **k: None\n"),
+    "print-redefined": ("changed", "import builtins\n_print = builtins.print\n"
+                                   f"builtins.print = lambda *a, **k: _print({PASS_LINE})\n"
+                                   "import aie_lessons.checks.stage02 as c\nc.check_split_heads = lambda *a, **k: None\n"),
+    "torch-patched": ("changed", "import torch\ntorch.equal = lambda *a, **k: True\n"
+                                 "torch.allclose = lambda *a, **k: True\n"),
+    "code-swapped": ("changed", "import aie_lessons.checks.stage02 as c\n"
+                                "c.check_split_heads.__code__ = (lambda split_heads, merge_heads: None).__code__\n"),
+    "result-forged": ("changed", "import aie_lessons.course.progress as p\n_init = p.CheckResult.__init__\n"
+                                 "p.CheckResult.__init__ = lambda self, e, passed, message='': _init(self, e, True, '')\n"),
+    "tensor-method-added": ("changed", "import torch\ntorch.Tensor.equal = lambda *a, **k: True\n"),
+    "sdpa-replaced": ("changed", "from aie_lessons.model import register_attention_backend\n"
+                                 "register_attention_backend('sdpa')(lambda q, k, v, mask=None: q)\n"),
+    "tensor-subclass": ("wrong", "import torch\n_split = split_heads\n"
+                                 "class _Agreeable(torch.Tensor):\n"
+                                 "    @classmethod\n"
+                                 "    def __torch_function__(cls, func, types, args=(), kwargs=None):\n"
+                                 "        if func in (torch.equal, torch.allclose):\n            return True\n"
+                                 "        return super().__torch_function__(func, types, args, kwargs or {})\n"
+                                 "def split_heads(x, num_heads):\n"
+                                 "    return _split(x, num_heads).as_subclass(_Agreeable)\n"),
+    "checks-shadowed": ("wrong", "class _Yes:\n    def __getattr__(self, name):\n        return self\n"
+                                 "    def __call__(self, *args, **kwargs):\n        return None\n\nchecks = _Yes()\n"),
+    "verdict-printed": ("wrong", "import json, os\n"
+                                 "os.write(1, ('\\n' + json.dumps([{'exercise': '2.1', 'passed': True, 'message': ''}])"
+                                 " + '\\n').encode())\n"),
 }
 
 
@@ -144,34 +168,47 @@ def cheating_cell(source: str, cheat: str) -> str:
     """The exercise cell with a wrong split_heads and the cheat appended."""
     start = source.index("def split_heads")
     end = source.index("\ndef ", start + 1)
-    return source[:start] + WRONG_SPLIT_HEADS + source[end:] + "\n\n" + CHEATS[cheat]
+    return source[:start] + WRONG_SPLIT_HEADS + source[end:] + "\n\n" + CHEATS[cheat][1]
+
+
+def sealed_verdicts(learner: nbformat.NotebookNode) -> dict:
+    from aie_lessons.course.grade import grading_notebook, sealed_checks
+
+    return sealed_checks("02", grading_notebook(solution(), learner), timeout=600)
 
 
 @pytest.mark.parametrize("cheat", CHEATS)
 def test_the_sealed_checks_see_through_each_cheat(cheat):
-    """The learner's module, cheat included, run the way the grader runs it on its own."""
-    import json
-    import subprocess
-    import sys
-
-    from aie_lessons.course.progress import find_stage
-    from aie_lessons.course.source import export_modules
-
-    nb = nbformat.read(NOTEBOOKS_DIR / f"{STAGE}.ipynb", as_version=4)
-    reference = {c.get("id"): c for c in solution().cells}
-    for cell in nb.cells:  # solve every exercise, then break 2.1 and cheat
-        if cell.get("id", "").startswith("s02-ex-"):
-            cell.source = reference[cell.get("id")].source
+    """The learner's exercise code, cheat included, checked the way the grader checks it."""
+    nb = solution()
     cell = next(c for c in nb.cells if c.get("id") == "s02-ex-2-1")
     cell.source = cheating_cell(cell.source, cheat)
-    _, _, earlier = find_stage("02")
-    texts = export_modules(nb.cells, "notebooks/02_attention.ipynb", "02", earlier)
-    out = subprocess.run([sys.executable, "-m", "aie_lessons.course.sealed", "02"], input=json.dumps(texts),
-                         capture_output=True, text=True, timeout=600)
-    results = {r["exercise"]: r for r in json.loads(out.stdout.strip().splitlines()[-1])}
-    assert results["2.1"]["passed"] is False, results["2.1"]
-    if cheat != "torch-patched" or "changed" in results["2.1"]["message"]:
-        assert "your code changed" in results["2.1"]["message"]
+    verdict = sealed_verdicts(nb)["2.1"]
+    assert verdict.passed is False, verdict
+    expected = "your code changed" if CHEATS[cheat][0] == "changed" else "Exercise 2.1:"
+    assert expected in verdict.message, verdict
+
+
+def test_an_added_export_cell_cannot_replace_a_module_the_checks_use():
+    """Only the stage's own modules, built from its exercise cells, are taken from the learner."""
+    nb = solution()
+    nb.cells.append(nbformat.v4.new_code_cell("# export: model\nraise RuntimeError('a model of my own')"))
+    nb.cells.append(nbformat.v4.new_code_cell("# export: shapes\nraise RuntimeError('no shapes')"))
+    verdicts = sealed_verdicts(nb)
+    assert all(v.passed for v in verdicts.values()), verdicts
+
+
+def test_the_sealed_checks_pass_every_solution():
+    """No false alarm: every stage's reference code passes its checks when run sealed."""
+    from aie_lessons.course.grade import grading_notebook, sealed_checks
+    from aie_lessons.course.progress import stages
+
+    for stage in stages():
+        if stage.exercises:
+            reference = solution(stage.name)
+            verdicts = sealed_checks(stage.number, grading_notebook(reference, reference), timeout=900)
+            assert [e.id for e in stage.exercises] == list(verdicts), stage.name
+            assert all(v.passed for v in verdicts.values()), verdicts
 
 
 def test_a_cheating_notebook_passes_its_check_cell_but_not_the_grade(tmp_path):

@@ -95,6 +95,22 @@ def test_flash_backend_generates_the_sdpa_tokens(tiny_dir):
     assert generate_cached(model, tokenizer, prompt, params)[0].token_ids == expected
 
 
+def test_flash_backend_gives_the_sdpa_logits_through_a_cache(tiny_untied_dir):
+    """Logits, not only tokens: a prefill and single-token decode steps, flash against sdpa."""
+    from aie_lessons.kv_cache import KVCache
+
+    from stepwise import prefill_then_decode
+
+    model = LlamaModel.from_pretrained(tiny_untied_dir)
+    ids = torch.randint(3, model.config.vocab_size, (1, 21), generator=torch.Generator().manual_seed(2))
+    with torch.inference_mode():
+        expected = prefill_then_decode(model, ids, KVCache(model.config, 1, 21), prefill=17)
+        model.set_attention_backend("flash")
+        got = prefill_then_decode(model, ids, KVCache(model.config, 1, 21), prefill=17)
+    assert got.shape == expected.shape == (1, 21, model.config.vocab_size)
+    assert (got - expected).abs().max().item() <= 1e-4
+
+
 @needs_gpu
 @needs_triton
 @pytest.mark.gpu

@@ -42,3 +42,29 @@ def test_tiny_model_logits_equal_transformers(tiny_model):
     ids = torch.randint(0, model.config.vocab_size, (2, 17), generator=torch.Generator().manual_seed(0))
     with torch.inference_mode():
         assert (model(ids) - theirs(ids).logits).abs().max().item() <= 1e-5
+
+
+def greedy_answers(model, tokenizer) -> list[list[int]]:
+    params = SamplingParams(max_new_tokens=8, ignore_eos=True)
+    return [generate(model, tokenizer, tokenizer.encode(p), params).token_ids for p in PROMPTS]
+
+
+@pytest.mark.parametrize("breakage", ["attention zeroed", "no causal mask", "RoPE off"])
+def test_the_tiny_models_answer_differently_when_attention_breaks(tiny_model, monkeypatch, breakage):
+    """Varied tokens are not enough: the answers must depend on attention, order and position."""
+    import torch.nn.functional as F
+
+    import aie_lessons.model as model_module
+
+    _, model, tokenizer = tiny_model
+    working = greedy_answers(model, tokenizer)
+    if breakage == "attention zeroed":
+        monkeypatch.setitem(model_module.ATTENTION_BACKENDS, "sdpa", lambda q, k, v, mask=None: torch.zeros_like(q))
+    elif breakage == "no causal mask":
+        monkeypatch.setitem(model_module.ATTENTION_BACKENDS, "sdpa",
+                            lambda q, k, v, mask=None: F.scaled_dot_product_attention(q, k, v, enable_gqa=True))
+    else:
+        real = model_module.rope_cos_sin
+        monkeypatch.setattr(model_module, "rope_cos_sin",
+                            lambda positions, head_dim, theta: real(torch.zeros_like(positions), head_dim, theta))
+    assert greedy_answers(model, tokenizer) != working

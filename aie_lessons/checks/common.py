@@ -47,6 +47,9 @@ def call(exercise: str, fn, *args, hint: str = ""):
 def expect_shape(exercise: str, name: str, got: torch.Tensor, expected: tuple) -> None:
     if not isinstance(got, torch.Tensor):
         fail(exercise, f"{name} should be a tensor, got {type(got).__name__}")
+    if type(got) is not torch.Tensor:  # a subclass can answer torch.equal however it likes
+        fail(exercise, f"{name} should be a plain torch.Tensor, got the subclass {type(got).__name__}: "
+                       "return the result of tensor operations, not a wrapper around it")
     if tuple(got.shape) != tuple(expected):
         fail(exercise, f"expected {name} of shape {tuple(expected)}, got {tuple(got.shape)}")
 

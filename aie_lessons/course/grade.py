@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import secrets
 import subprocess
 import sys
 import tempfile
@@ -114,27 +115,42 @@ def exercises_in_cell_id(cell_id: str | None) -> list[str]:
     return [part.replace("-", ".", 1) for part in match.group(1).split("_")] if match else []
 
 
-def sealed_checks(number: str, learner: nbformat.NotebookNode, name: str, timeout: int) -> dict[str, CheckResult]:
-    """The stage's checks on the learner's exported code, in a process the learner's code cannot
-    reach before the checks are in place; keyed by exercise."""
+def sealed_checks(number: str, graded: nbformat.NotebookNode, timeout: int) -> dict[str, CheckResult]:
+    """The stage's checks on the learner's exercise code, in a process the learner's code cannot
+    reach before the checks are in place; keyed by exercise.
+
+    ``graded`` is the grading notebook: the learner's exercise cells in the reference notebook.
+    Cells the learner added are left out, and so is any module the stage does not export, so a
+    learner cannot swap a piece of the engine the checks compare against.
+    """
     stage, expected, earlier = find_stage(number)
+    own = [c for c in graded.cells if not str(c.get("id", "")).startswith("extra-")]
     try:
-        texts = export_modules(learner.cells, f"notebooks/{name}.ipynb", number, earlier)
+        texts = export_modules(own, f"notebooks/{stage.name}.ipynb", number, earlier)
     except SourceError as exc:
-        texts, problem = {}, f"the notebook's exported cells do not form modules: {exc}"
-    else:
-        missing = sorted(set(expected) - set(texts))
-        problem = f"the notebook has no `# export: {missing[0]}` cell" if missing else ""
-    if not problem:
-        try:
-            out = subprocess.run([sys.executable, "-m", "aie_lessons.course.sealed", number],
-                                 input=json.dumps(texts), capture_output=True, text=True, timeout=timeout)
-            return {r["exercise"]: CheckResult(**r) for r in json.loads(out.stdout.strip().splitlines()[-1])}
+        return _all_failed(stage, f"the notebook's exported cells do not form modules: {exc}")
+    texts = {module: text for module, text in texts.items() if module in expected}
+    token = secrets.token_hex(16)
+    with tempfile.TemporaryDirectory(prefix="aie-sealed-") as scratch:
+        try:  # -P and a scratch folder: nothing next to the submission can shadow a module
+            out = subprocess.run([sys.executable, "-P", "-m", "aie_lessons.course.sealed", number],
+                                 input=json.dumps({"token": token, "modules": texts}), cwd=scratch,
+                                 capture_output=True, text=True, timeout=timeout)
         except subprocess.TimeoutExpired:
-            problem = f"the checks did not finish within {timeout} s when run on their own"
-        except (json.JSONDecodeError, IndexError):
-            problem = "running the checks on your exported code failed: " + (
-                out.stderr.strip().splitlines() or ["no output"])[-1]
+            return _all_failed(stage, f"the checks did not finish within {timeout} s when run on their own")
+    verdicts = [line for line in out.stdout.splitlines() if line.startswith(f"{token} ")]
+    try:
+        if out.returncode != 0 or len(verdicts) != 1:
+            raise ValueError(f"exit status {out.returncode}")
+        results = [CheckResult(str(r["exercise"]), r["passed"] is True, str(r["message"]))
+                   for r in json.loads(verdicts[0].removeprefix(f"{token} "))]
+    except (ValueError, KeyError, TypeError):
+        detail = (out.stderr.strip().splitlines() or ["no output"])[-1]
+        return _all_failed(stage, f"running the checks on your exported code failed: {detail}")
+    return {r.exercise: r for r in results}
+
+
+def _all_failed(stage, problem: str) -> dict[str, CheckResult]:
     return {e.id: CheckResult(e.id, False, problem) for e in stage.exercises}
 
 
@@ -180,9 +196,10 @@ def grade_stage(stage_source: Path, submission_dir: Path, cell_timeout: int) -> 
         result.cell_failures = [("(notebook)", problem)]
         return result
 
+    graded = grading_notebook(reference, learner)
     with tempfile.TemporaryDirectory(prefix="aie-grade-") as scratch:
         path = Path(scratch) / f"{stage.name}.ipynb"
-        nbformat.write(grading_notebook(reference, learner), path)
+        nbformat.write(graded, path)
         records = run_nbval(path, cell_timeout)
 
     def record_of(cell_id: str) -> dict:
@@ -200,7 +217,7 @@ def grade_stage(stage_source: Path, submission_dir: Path, cell_timeout: int) -> 
 
     exercise_cell = {e: c.get("id") for c in reference_code for e in exercises_in_cell_id(c.get("id"))}
     check_cell = {checked_exercise(c): c.get("id") for c in reference_code if checked_exercise(c)}
-    sealed = sealed_checks(stage.number, learner, stage.name, timeout=cell_timeout * (len(exercise_ids) + 1))
+    sealed = sealed_checks(stage.number, graded, timeout=cell_timeout * (len(exercise_ids) + 1))
     for exercise in exercise_ids:
         cells = [exercise_cell.get(exercise), check_cell.get(exercise)]
         failed = [record_of(c) for c in cells if c is not None and not record_of(c)["passed"]]

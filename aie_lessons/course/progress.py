@@ -64,6 +64,9 @@ def is_committed(stage: Stage) -> bool:
 # --- running a stage's checks ------------------------------------------------------------------
 
 
+FIXTURE_NAMES = ("model", "tokenizer", "config")
+
+
 class _Fixtures(dict):
     """The objects check cells use besides exported names, created only when asked for."""
 
@@ -94,11 +97,16 @@ def check_results(stage: Stage) -> Iterator[CheckResult]:
 
     from aie_lessons import checks
 
-    namespace = _Fixtures(checks=checks)
+    namespace = _Fixtures()
     _, modules, _ = find_stage(stage.number)
     for name in modules:
         module = importlib.import_module(f"{PACKAGE}.{name}")
         namespace.update({k: v for k, v in vars(module).items() if not k.startswith("_")})
+    # The checks and the fixtures win over any name of the learner's: a module that happens to
+    # define `config`, or means to shadow `checks`, must not change what a check cell calls.
+    for name in FIXTURE_NAMES:
+        namespace.pop(name, None)
+    namespace["checks"] = checks
     for cell in stage.notebook.cells:
         exercise = checked_exercise(cell)
         if not exercise:

