@@ -30,6 +30,7 @@ import importlib
 import importlib.abc
 import importlib.util
 import json
+import linecache
 import math
 import os
 import sys
@@ -37,13 +38,19 @@ import types
 from types import ModuleType
 
 import torch
-import torch._dynamo  # it rebinds torch.manual_seed when first imported: do that before the fingerprint
-import torch.nn.functional
 
-from aie_lessons.course import progress
-from aie_lessons.course.build import ROOTS, load_stages, staged_modules
-from aie_lessons.course.progress import check_results, find_stage
-from aie_lessons.course.source import PACKAGE
+if not torch.cuda.is_available():
+    # Triton picks interpreter or compiler when it is first imported, and torch._dynamo (below)
+    # imports it: choose for the stage-05 kernels now, as the flash module would have.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import torch._dynamo  # noqa: E402 - it rebinds torch.manual_seed when first imported: before the fingerprint
+import torch.nn.functional  # noqa: E402
+
+from aie_lessons.course import progress  # noqa: E402
+from aie_lessons.course.build import ROOTS, load_stages, staged_modules  # noqa: E402
+from aie_lessons.course.progress import check_results, find_stage  # noqa: E402
+from aie_lessons.course.source import PACKAGE  # noqa: E402
 
 Fingerprint = dict[tuple[str, str], object]
 
@@ -64,8 +71,12 @@ class LearnerModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         return None  # the default module object
 
     def exec_module(self, module: ModuleType) -> None:
-        name = module.__name__.removeprefix(f"{PACKAGE}.")
-        exec(compile(self.texts[name], module.__spec__.origin, "exec"), module.__dict__)
+        name, origin = module.__name__.removeprefix(f"{PACKAGE}."), module.__spec__.origin
+        text = self.texts[name]
+        # Source lookups (tracebacks, inspect, and @triton.jit, which reads its kernel's source)
+        # find the text here; mtime None tells linecache there is no file to re-check.
+        linecache.cache[origin] = (len(text), None, text.splitlines(keepends=True), origin)
+        exec(compile(text, origin, "exec"), module.__dict__)
 
 
 def import_trusted(stage: str) -> dict[str, object]:
