@@ -10,11 +10,11 @@ import torch
 
 from typing import TYPE_CHECKING
 
-from aie_lessons.generate import collect, open_streams
+from aie_lessons.generate import run_batch
 from aie_lessons.kv_cache import KVCache
 from aie_lessons.masks import attention_mask
 from aie_lessons.padded_batch import left_pad
-from aie_lessons.sampling import SamplingParams, make_generator, params_per_row, sample_next
+from aie_lessons.sampling import SamplingParams, make_generator, sample_next
 
 if TYPE_CHECKING:
     from aie_lessons.model import LlamaModel
@@ -68,6 +68,4 @@ def generate_cached(
 
     ``on_text(i, text)`` streams prompt ``i``'s text as it is produced.
     """
-    params = params_per_row(params, len(prompts))
-    streams = open_streams(model.config, tokenizer, prompts, params, on_text)
-    return collect(cached_steps(model, prompts, params), streams)
+    return run_batch(cached_steps, model, tokenizer, prompts, params, on_text)

@@ -5,18 +5,19 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from typing import Callable, Iterator
 
 import torch
 
 from typing import TYPE_CHECKING
 
+from aie_lessons.model import LlamaModel
 from aie_lessons.output import GenerationResult, OutputStream, stop_token_ids
-from aie_lessons.sampling import SamplingParams, make_generator, sample_next
+from aie_lessons.sampling import SamplingParams, make_generator, params_per_row, sample_next
 
 if TYPE_CHECKING:
     from aie_lessons.config import ModelConfig
-    from aie_lessons.model import LlamaModel
     from aie_lessons.tokenizer import Tokenizer
 
 
@@ -89,6 +90,24 @@ def collect(steps: Iterator[list[int]], streams: list[OutputStream]) -> list[Gen
         if hasattr(steps, "close"):
             steps.close()
     return [stream.result for stream in streams]
+
+
+StepIterator = Callable[[LlamaModel, list[list[int]], list[SamplingParams]], Iterator[list[int]]]
+
+
+def run_batch(
+    steps: StepIterator,
+    model: LlamaModel,
+    tokenizer: Tokenizer,
+    prompts: list[list[int]],
+    params: SamplingParams | Sequence[SamplingParams],
+    on_text: Callable[[int, str], None] | None = None,
+) -> list[GenerationResult]:
+    """A batch loop made from its step iterator: one ``SamplingParams`` for all prompts or one
+    each, every prompt checked before any work, the results collected from the streams."""
+    params = params_per_row(params, len(prompts))
+    streams = open_streams(model.config, tokenizer, prompts, params, on_text)
+    return collect(steps(model, prompts, params), streams)
 
 
 @torch.inference_mode()

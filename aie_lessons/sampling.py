@@ -104,8 +104,8 @@ def filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.
         logits = logits.masked_fill(logits < kth_best, float("-inf"))
     if top_p < 1.0:
         ranked, order = logits.sort(dim=-1, descending=True)
-        # float64: a float32 running sum over thousands of tokens drifts by ~1e-5 and would
-        # drop tokens right at the boundary that the exact rule keeps
+        # float64: a float32 running sum over thousands of tokens drifts, and would drop
+        # tokens right at the boundary that the exact rule keeps
         probs = ranked.softmax(dim=-1, dtype=torch.float64)
         above = probs.cumsum(dim=-1) - probs  # probability held by the better-ranked tokens
         drop = (above >= top_p).scatter(-1, order, above >= top_p)

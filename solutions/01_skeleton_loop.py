@@ -992,8 +992,8 @@ checks.stage01.check_repetition_penalty(apply_repetition_penalty)
 #   (so the kept tokens' probabilities sum to 1) and rank the tokens by it; keep a token if the
 #   tokens ranked above it hold less than `p` of the probability. The best token is therefore
 #   always kept. `top_p = 1` keeps all. Add the probabilities up in float64: a float32 running
-#   sum over 49,152 tokens drifts by about 1e-5, enough to drop tokens that sit right at the
-#   boundary (the check has a row of that size).
+#   sum over 49,152 tokens drifts enough to drop tokens that sit right at the boundary (the
+#   check has a row of that size, and says so when it happens).
 
 # %%
 # export: sampling
@@ -1005,8 +1005,8 @@ def filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.
         logits = logits.masked_fill(logits < kth_best, float("-inf"))
     if top_p < 1.0:
         ranked, order = logits.sort(dim=-1, descending=True)
-        # float64: a float32 running sum over thousands of tokens drifts by ~1e-5 and would
-        # drop tokens right at the boundary that the exact rule keeps
+        # float64: a float32 running sum over thousands of tokens drifts, and would drop
+        # tokens right at the boundary that the exact rule keeps
         probs = ranked.softmax(dim=-1, dtype=torch.float64)
         above = probs.cumsum(dim=-1) - probs  # probability held by the better-ranked tokens
         drop = (above >= top_p).scatter(-1, order, above >= top_p)
@@ -1236,6 +1236,7 @@ class OutputStream:
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from typing import Callable, Iterator
 
 import torch
@@ -1310,6 +1311,24 @@ def collect(steps: Iterator[list[int]], streams: list[OutputStream]) -> list[Gen
         if hasattr(steps, "close"):
             steps.close()
     return [stream.result for stream in streams]
+
+
+StepIterator = Callable[[LlamaModel, list[list[int]], list[SamplingParams]], Iterator[list[int]]]
+
+
+def run_batch(
+    steps: StepIterator,
+    model: LlamaModel,
+    tokenizer: Tokenizer,
+    prompts: list[list[int]],
+    params: SamplingParams | Sequence[SamplingParams],
+    on_text: Callable[[int, str], None] | None = None,
+) -> list[GenerationResult]:
+    """A batch loop made from its step iterator: one ``SamplingParams`` for all prompts or one
+    each, every prompt checked before any work, the results collected from the streams."""
+    params = params_per_row(params, len(prompts))
+    streams = open_streams(model.config, tokenizer, prompts, params, on_text)
+    return collect(steps(model, prompts, params), streams)
 
 
 @torch.inference_mode()

@@ -37,9 +37,9 @@ import torch
 import torch.nn.functional as F
 
 from aie_lessons import checks
-from aie_lessons.generate import collect, generate, open_streams
+from aie_lessons.generate import generate, run_batch
 from aie_lessons.output import GenerationResult
-from aie_lessons.sampling import SamplingParams, make_generator, params_per_row, sample_next
+from aie_lessons.sampling import SamplingParams, make_generator, sample_next
 from aie_lessons.model import LlamaModel
 from aie_lessons.infra.paths import default_model_dir
 from aie_lessons.tokenizer import Tokenizer
@@ -280,9 +280,7 @@ def generate_batch(
     Each row draws from its own generator, so a seeded prompt gets the tokens it gets alone.
     ``on_text(i, text)`` streams prompt ``i``'s text as it is produced.
     """
-    params = params_per_row(params, len(prompts))
-    streams = open_streams(model.config, tokenizer, prompts, params, on_text)
-    return collect(batch_steps(model, prompts, params), streams)
+    return run_batch(batch_steps, model, tokenizer, prompts, params, on_text)
 
 
 # %%

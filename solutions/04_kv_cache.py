@@ -40,9 +40,9 @@ import torch
 
 from aie_lessons import checks
 from aie_lessons.config import ModelConfig
-from aie_lessons.generate import check_prompt, collect, generate, open_streams
+from aie_lessons.generate import check_prompt, collect, generate, open_streams, run_batch
 from aie_lessons.output import GenerationResult
-from aie_lessons.sampling import SamplingParams, greedy_step, make_generator, params_per_row, sample_next
+from aie_lessons.sampling import SamplingParams, greedy_step, make_generator, sample_next
 from aie_lessons.masks import attention_mask
 from aie_lessons.model import LlamaModel, rms_norm, rope_cos_sin
 from aie_lessons.padded_batch import generate_batch, left_pad
@@ -239,9 +239,7 @@ def generate_cached(
 
     ``on_text(i, text)`` streams prompt ``i``'s text as it is produced.
     """
-    params = params_per_row(params, len(prompts))
-    streams = open_streams(model.config, tokenizer, prompts, params, on_text)
-    return collect(cached_steps(model, prompts, params), streams)
+    return run_batch(cached_steps, model, tokenizer, prompts, params, on_text)
 
 
 # %%
