@@ -354,3 +354,16 @@ def test_a_stub_wrapped_by_another_error_still_reads_not_implemented():
 
     with pytest.raises(NotImplementedError, match=r"^Exercise 5.3 is not implemented yet: replace$"):
         call("5.3", wrapped)
+
+
+def test_a_tensor_subclass_is_refused_by_name():
+    """A subclass can answer torch.equal however it likes, so shape checks insist on torch.Tensor."""
+
+    class Agreeable(torch.Tensor):
+        pass
+
+    def rms_subclass(x, w, eps):
+        return rms_norm(x, w, eps).as_subclass(Agreeable)
+
+    with names_the_mistake("1.1", "plain torch.Tensor, got the subclass Agreeable"):
+        checks.check_rms_norm(rms_subclass)
