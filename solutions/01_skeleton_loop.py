@@ -526,7 +526,9 @@ def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torc
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Scale each vector (last dimension) to unit root-mean-square, then by ``weight``."""
-    # BEGIN EXERCISE 1.1: return x / sqrt(mean(x²) + eps) * weight, computed in fp32, in x's dtype | Hint: mean over the last dimension with keepdim=True; torch.rsqrt is 1/sqrt; unlike LayerNorm, do not subtract the mean.
+    # BEGIN EXERCISE 1.1: return x / sqrt(mean(x²) + eps) * weight, computed in fp32, in x's dtype
+    # Hint 1: RMSNorm rescales each vector so its root-mean-square is 1, then scales each coordinate by a learned weight; small squares summed in bf16 lose precision, so the arithmetic is done in fp32.
+    # Hint 2: mean over the last dimension with keepdim=True; torch.rsqrt is 1/sqrt; unlike LayerNorm, do not subtract the mean.
     x32 = x.float()
     normed = x32 * torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + eps)
     return (normed * weight.float()).to(x.dtype)
@@ -556,7 +558,9 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate q or k, shaped (B, H, S, D), by the angles in cos/sin, shaped (B, S, D)."""
-    # BEGIN EXERCISE 1.2: return x rotated by the angles: x·cos + rotate_half(x)·sin | Hint: cos and sin are (B, S, D) but x is (B, H, S, D): give them a head axis of size 1 to broadcast.
+    # BEGIN EXERCISE 1.2: return x rotated by the angles: x·cos + rotate_half(x)·sin
+    # Hint 1: RoPE turns each pair of coordinates (i, i + D/2) by an angle that grows with the position; a turn by θ of (a, b) is (a cos θ − b sin θ, b cos θ + a sin θ).
+    # Hint 2: cos and sin are (B, S, D) but x is (B, H, S, D): give them a head axis of size 1 to broadcast.
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
     return (x * cos + rotate_half(x) * sin).to(x.dtype)
     # END EXERCISE 1.2
@@ -882,7 +886,9 @@ def params_per_row(params: SamplingParams | Sequence[SamplingParams], rows: int)
 
 def greedy_step(logits: torch.Tensor) -> torch.Tensor:
     """Next token ids (B,) from logits (B, S, vocab): the best-scoring token at the last position."""
-    # BEGIN EXERCISE 1.3: return, for each sequence, the id of the best token predicted after its last position | Hint: position t predicts token t + 1, so only logits[:, -1] matters; argmax over the vocabulary axis.
+    # BEGIN EXERCISE 1.3: return, for each sequence, the id of the best token predicted after its last position
+    # Hint 1: A causal LM's logits at position t are its guess for token t + 1, so the next token comes from the last position only; greedy decoding takes the most likely one.
+    # Hint 2: position t predicts token t + 1, so only logits[:, -1] matters; argmax over the vocabulary axis.
     return logits[:, -1, :].argmax(dim=-1)
     # END EXERCISE 1.3
 
@@ -924,7 +930,9 @@ class StreamingDetokenizer:
 
     def push(self, token_id: int) -> str:
         """Add one token; return the text it completes (possibly empty)."""
-        # BEGIN EXERCISE 1.4: return the text completed by this token's bytes | Hint: self.tokenizer.token_bytes gives a token's bytes; self._utf8 is an incremental UTF-8 decoder that keeps an unfinished character for the next call.
+        # BEGIN EXERCISE 1.4: return the text completed by this token's bytes
+        # Hint 1: One character can span several tokens (UTF-8 uses up to four bytes), so bytes must wait until they make a whole character before they become text.
+        # Hint 2: self.tokenizer.token_bytes gives a token's bytes; self._utf8 is an incremental UTF-8 decoder that keeps an unfinished character for the next call.
         return self._utf8.decode(self.tokenizer.token_bytes(token_id))
         # END EXERCISE 1.4
 
@@ -968,6 +976,8 @@ def apply_repetition_penalty(logits: torch.Tensor, history: torch.Tensor, penalt
     Returns a new tensor: the caller's logits stay as they were.
     """
     # BEGIN EXERCISE 1.5: return a copy of logits where each token id in history has its logit divided by penalty if positive, multiplied by it otherwise
+    # Hint 1: A repeated token should become less likely whichever sign its logit has: shrinking a positive logit and growing a negative one's magnitude both lower it.
+    # Hint 2: gather the logits of the history's ids, change each with torch.where on its sign, and scatter them back into a copy.
     seen = logits.gather(-1, history)
     seen = torch.where(seen > 0, seen / penalty, seen * penalty)
     return logits.scatter(-1, history, seen)
@@ -1000,6 +1010,8 @@ checks.stage01.check_repetition_penalty(apply_repetition_penalty)
 def filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
     """``logits`` (B, vocab) with every token outside the top-k and then the top-p set at −inf."""
     # BEGIN EXERCISE 1.6: set to -inf the logits of tokens below the k-th best (if top_k > 0), then of tokens whose better-ranked tokens already hold top_p of the probability (if top_p < 1)
+    # Hint 1: Both filters decide which tokens may be sampled: top-k by rank, top-p by the cumulative probability of the better-ranked tokens; removed tokens get −∞ so softmax gives them 0.
+    # Hint 2: top-k: compare with the k-th largest value of each row (topk); top-p: sort descending, softmax in float64, cumulative sum minus each token's own probability, drop where that reaches p, scatter the decision back.
     if 0 < top_k < logits.shape[-1]:
         kth_best = logits.topk(top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth_best, float("-inf"))

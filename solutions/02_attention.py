@@ -148,7 +148,9 @@ MASKED = torch.finfo(torch.float32).min
 def split_heads(x: torch.Tensor, num_heads: int) -> torch.Tensor:
     """(B, S, H·D) -> (B, H, S, D): one sequence of vectors per head."""
     batch, seq, width = x.shape
-    # BEGIN EXERCISE 2.1: split the last axis into (H, D), then put heads before positions | Hint: view(batch, seq, num_heads, width // num_heads), then transpose(1, 2).
+    # BEGIN EXERCISE 2.1: split the last axis into (H, D), then put heads before positions
+    # Hint 1: Multi-head attention runs H independent attentions of width D = width / H side by side; the head axis must sit before the positions so that matmul batches over heads.
+    # Hint 2: view(batch, seq, num_heads, width // num_heads), then transpose(1, 2).
     return x.view(batch, seq, num_heads, width // num_heads).transpose(1, 2)
     # END EXERCISE 2.1
 
@@ -233,7 +235,9 @@ def attention_weights(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | Non
 
     q is (..., S, D), k is (..., T, D); mask broadcasts to (..., S, T). Returns (..., S, T).
     """
-    # BEGIN EXERCISE 2.2: scale q·kᵀ by 1/√D, fill masked scores with MASKED, softmax over the keys | Hint: scores = q @ k.transpose(-1, -2) * q.shape[-1] ** -0.5; scores.masked_fill(~mask, MASKED); softmax(dim=-1), in float32.
+    # BEGIN EXERCISE 2.2: scale q·kᵀ by 1/√D, fill masked scores with MASKED, softmax over the keys
+    # Hint 1: Attention is a softmax-weighted average of values; the weights come from query·key similarity, scaled so their spread does not grow with D, and masked keys must get zero weight.
+    # Hint 2: scores = q @ k.transpose(-1, -2) * q.shape[-1] ** -0.5; scores.masked_fill(~mask, MASKED); softmax(dim=-1), in float32.
     scores = (q @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5
     if mask is not None:
         scores = scores.masked_fill(~mask, MASKED)
@@ -262,7 +266,9 @@ checks.stage02.check_attention_weights(attention_weights)
 def group_queries(q: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
     """(B, Hq, S, D) -> (B, Hkv, G, S, D), query head h landing in group h // G."""
     batch, heads, seq, head_dim = q.shape
-    # BEGIN EXERCISE 2.3: view q so that consecutive query heads share a group | Hint: heads = num_kv_heads × G with the kv index outermost: view(batch, num_kv_heads, heads // num_kv_heads, seq, head_dim).
+    # BEGIN EXERCISE 2.3: view q so that consecutive query heads share a group
+    # Hint 1: With grouped-query attention, G consecutive query heads share one key/value head; giving q a group axis lets one K/V head broadcast over its G query heads without copies.
+    # Hint 2: heads = num_kv_heads × G with the kv index outermost: view(batch, num_kv_heads, heads // num_kv_heads, seq, head_dim).
     return q.view(batch, num_kv_heads, heads // num_kv_heads, seq, head_dim)
     # END EXERCISE 2.3
 
@@ -318,7 +324,9 @@ def attention_layer(
     q = dims.check("q", split_heads(attn.q_proj(x), dims.sizes["Hq"]), "B Hq S D")
     k = dims.check("k", split_heads(attn.k_proj(x), dims.sizes["Hkv"]), "B Hkv S D")
     v = dims.check("v", split_heads(attn.v_proj(x), dims.sizes["Hkv"]), "B Hkv S D")
-    # BEGIN EXERCISE 2.4: rotate the tensors whose dot product must depend on relative position | Hint: apply_rope(tensor, cos, sin) for q and k; v carries content and stays as it is.
+    # BEGIN EXERCISE 2.4: rotate the tensors whose dot product must depend on relative position
+    # Hint 1: Rotating q and k by their positions makes q·k depend only on the distance between them; v is content, not a position-dependent match, so it is left alone.
+    # Hint 2: apply_rope(tensor, cos, sin) for q and k; v carries content and stays as it is.
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     # END EXERCISE 2.4
     out = dims.check("attention", manual_attention(q, k, v, mask), "B Hq S D")

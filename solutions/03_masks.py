@@ -84,7 +84,9 @@ import torch
 
 def causal_mask(q_len: int, kv_len: int, device: torch.device | str | None = None) -> torch.Tensor:
     """(q_len, kv_len) bool, True where query i (position kv_len - q_len + i) may see key j."""
-    # BEGIN EXERCISE 3.1: True on and below the diagonal that ends in the bottom-right corner | Hint: torch.ones(q_len, kv_len, dtype=torch.bool).tril(diagonal) with diagonal = kv_len - q_len.
+    # BEGIN EXERCISE 3.1: True on and below the diagonal that ends in the bottom-right corner
+    # Hint 1: A query may attend to itself and to earlier keys; when queries are the last q_len of kv_len positions, the triangle is anchored at the bottom-right corner.
+    # Hint 2: torch.ones(q_len, kv_len, dtype=torch.bool).tril(diagonal) with diagonal = kv_len - q_len.
     return torch.ones(q_len, kv_len, dtype=torch.bool, device=device).tril(kv_len - q_len)
     # END EXERCISE 3.1
 
@@ -135,7 +137,9 @@ def left_pad(sequences: list[list[int]], pad_id: int, device: torch.device | str
     width = max(len(s) for s in sequences)
     input_ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
     is_real = torch.zeros(len(sequences), width, dtype=torch.bool)
-    # BEGIN EXERCISE 3.2: put each sequence at the right end of its row, mark it real, and count positions over real tokens only | Hint: row b gets the sequence in columns width - len(seq) onwards; positions = is_real.cumsum(-1) - 1, clamped at 0.
+    # BEGIN EXERCISE 3.2: put each sequence at the right end of its row, mark it real, and count positions over real tokens only
+    # Hint 1: Left padding lines up every sequence's last token in the last column, so one step predicts every row's next token; pad tokens must not count as positions.
+    # Hint 2: row b gets the sequence in columns width - len(seq) onwards; positions = is_real.cumsum(-1) - 1, clamped at 0.
     for row, sequence in enumerate(sequences):
         input_ids[row, width - len(sequence):] = torch.tensor(sequence, dtype=torch.long)
         is_real[row, width - len(sequence):] = True
@@ -183,7 +187,9 @@ def attention_mask(is_real: torch.Tensor, q_len: int) -> torch.Tensor:
     ``is_real`` (B, T) marks real keys; the q_len queries are the last q_len of the T positions.
     """
     kv_len = is_real.shape[1]
-    # BEGIN EXERCISE 3.3: combine causal_mask with is_real (keys), then let each query see its own position | Hint: causal[None] & is_real[:, None, :] is (B, S, T); query i's own key is column kv_len - q_len + i; add the head axis at the end with [:, None].
+    # BEGIN EXERCISE 3.3: combine causal_mask with is_real (keys), then let each query see its own position
+    # Hint 1: A key is visible if it is causal for the query and real (not padding); a query that would see no key at all needs at least itself, or softmax divides by zero.
+    # Hint 2: causal[None] & is_real[:, None, :] is (B, S, T); query i's own key is column kv_len - q_len + i; add the head axis at the end with [:, None].
     causal = causal_mask(q_len, kv_len, is_real.device)
     mask = causal[None] & is_real[:, None, :]  # (B, S, T)
     keys = torch.arange(kv_len, device=is_real.device)

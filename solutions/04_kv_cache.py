@@ -148,7 +148,9 @@ class KVCache:
                 f"the KV cache holds {self.max_len} positions; {new} were written at column "
                 f"{start}. Fix: allocate max_len ≥ prompt + max_new_tokens (here {start + new})."
             )
-        # BEGIN EXERCISE 4.1: copy k and v into this layer's slice at columns start … start+new-1, then return views of columns 0 … start+new-1 | Hint: self.keys[layer, :, :, start:end] = k writes in place; self.keys[layer, :, :, :end] is a view.
+        # BEGIN EXERCISE 4.1: copy k and v into this layer's slice at columns start … start+new-1, then return views of columns 0 … start+new-1
+        # Hint 1: The cache is preallocated: new keys and values are written in place at their positions, and attention reads everything written so far as a view, without copying.
+        # Hint 2: self.keys[layer, :, :, start:end] = k writes in place; self.keys[layer, :, :, :end] is a view.
         end = start + new
         self.keys[layer, :, :, start:end] = k
         self.values[layer, :, :, start:end] = v
@@ -193,7 +195,9 @@ import torch
 
 def next_positions(is_real: torch.Tensor) -> torch.Tensor:
     """RoPE positions (B, 1) of the tokens about to be appended, given which cached columns are real."""
-    # BEGIN EXERCISE 4.2: a sequence's next position is the number of its real tokens so far | Hint: is_real.sum(dim=-1, keepdim=True); the cache length is_real.shape[1] also counts padding.
+    # BEGIN EXERCISE 4.2: a sequence's next position is the number of its real tokens so far
+    # Hint 1: With left padding, the cache's column count includes pads; a sequence's position is how many of its own tokens came before.
+    # Hint 2: is_real.sum(dim=-1, keepdim=True); the cache length is_real.shape[1] also counts padding.
     return is_real.sum(dim=-1, keepdim=True)
     # END EXERCISE 4.2
 
@@ -897,7 +901,9 @@ def agreement(reference: torch.Tensor, logits: torch.Tensor) -> Agreement:
     """Compare ``logits`` with ``reference`` logits, both (positions, vocab)."""
     if reference.shape != logits.shape:
         raise ValueError(f"shapes differ: reference {tuple(reference.shape)}, logits {tuple(logits.shape)}")
-    # BEGIN EXERCISE 4.3: at every position compare the two next-token predictions; return an Agreement with the fraction of positions whose best token is the same, KL(reference ‖ model) averaged over positions, and the largest |logit difference|, as Python floats | Hint: KL(p ‖ q) = Σ over the vocabulary of p · (log p − log q), with p the reference's probabilities; log-probabilities come stably from log_softmax, and a shift shared by all logits must not change them.
+    # BEGIN EXERCISE 4.3: at every position compare the two next-token predictions; return an Agreement with the fraction of positions whose best token is the same, KL(reference ‖ model) averaged over positions, and the largest |logit difference|, as Python floats
+    # Hint 1: Two models agree when they predict the same next tokens with similar probabilities: compare the argmax per position, the KL divergence of the distributions and the raw logit gap.
+    # Hint 2: KL(p ‖ q) = Σ over the vocabulary of p · (log p − log q), with p the reference's probabilities; log-probabilities come stably from log_softmax, and a shift shared by all logits must not change them.
     log_p, log_q = reference.float().log_softmax(-1), logits.float().log_softmax(-1)
     kl = (log_p.exp() * (log_p - log_q)).sum(-1)
     return Agreement(

@@ -88,7 +88,9 @@ def online_softmax_update(
 
     m, l are (..., M); acc is (..., M, D). Masked scores are -inf.
     """
-    # BEGIN EXERCISE 5.1: new max, rescale the old l and acc by exp(m − m_new), add the block | Hint: m_new = max(m, rowmax(scores)); p = exp(scores − m_new[..., None]); l_new = l·alpha + p.sum(-1); acc_new = acc·alpha[..., None] + p @ v, with alpha = exp(m − m_new).
+    # BEGIN EXERCISE 5.1: new max, rescale the old l and acc by exp(m − m_new), add the block
+    # Hint 1: The online softmax keeps a running max m, a running sum l and an unnormalised output; when the max grows, what was accumulated so far is rescaled by exp(m_old − m_new).
+    # Hint 2: m_new = max(m, rowmax(scores)); p = exp(scores − m_new[..., None]); l_new = l·alpha + p.sum(-1); acc_new = acc·alpha[..., None] + p @ v, with alpha = exp(m − m_new).
     m_new = torch.maximum(m, scores.amax(dim=-1))
     alpha = torch.exp(m - m_new)
     p = torch.exp(scores - m_new[..., None])
@@ -116,7 +118,9 @@ checks.stage05.check_online_softmax_update(online_softmax_update)
 # export: flash_attention
 def causal_key_end(q_start: int, block_m: int, q_len: int, kv_len: int) -> int:
     """One past the last key that query block [q_start, q_start + block_m) may see."""
-    # BEGIN EXERCISE 5.2: the block's last query is at position (kv_len − q_len) + q_start + block_m − 1; keys up to it are visible; never past kv_len | Hint: min(kv_len, kv_len − q_len + q_start + block_m).
+    # BEGIN EXERCISE 5.2: the block's last query is at position (kv_len − q_len) + q_start + block_m − 1; keys up to it are visible; never past kv_len
+    # Hint 1: Under a causal mask, a block of queries sees no key beyond the position of its last query, so the key loop can stop there.
+    # Hint 2: min(kv_len, kv_len − q_len + q_start + block_m).
     return min(kv_len, kv_len - q_len + q_start + block_m)
     # END EXERCISE 5.2
 
@@ -269,7 +273,9 @@ if HAS_TRITON:
             k = tl.load(k_base + offs_n[:, None] * stride_ks + offs_d[None, :],
                         mask=offs_n[:, None] < kv_len, other=0.0)
             scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # (BLOCK_M, BLOCK_N)
-            # BEGIN EXERCISE 5.3: keep only real keys (offs_n < kv_len) and, if CAUSAL, keys at or before each query's position offset + offs_m | Hint: valid = offs_n[None, :] < kv_len; valid &= offs_n[None, :] <= offset + offs_m[:, None]; scores = tl.where(valid, scores, float("-inf")).
+            # BEGIN EXERCISE 5.3: keep only real keys (offs_n < kv_len) and, if CAUSAL, keys at or before each query's position offset + offs_m
+            # Hint 1: A score must be dropped when its key is past the end of the sequence (a partial last tile) or, with CAUSAL, after the query's own position.
+            # Hint 2: valid = offs_n[None, :] < kv_len; valid &= offs_n[None, :] <= offset + offs_m[:, None]; scores = tl.where(valid, scores, float("-inf")).
             valid = offs_n[None, :] < kv_len
             if CAUSAL:
                 valid = valid & (offs_n[None, :] <= offset + offs_m[:, None])

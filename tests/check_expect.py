@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from collections import defaultdict
 
 import pytest
 
@@ -16,3 +17,19 @@ def names_the_mistake(exercise: str, message: str):
     """
     pattern = f"Exercise {re.escape(exercise)}: .*{message}"
     return pytest.raises(CheckFailed, match=re.compile(pattern, re.DOTALL))
+
+
+# Every wrong implementation a test feeds to a check, by exercise: the exercise standard asks for
+# at least three per exercise, and tests/test_exercise_standard.py counts them here.
+MUTANTS: dict[str, list[str]] = defaultdict(list)
+
+
+def mutants(exercise: str, cases: list[tuple]):
+    """Parametrize a test over ``(wrong implementation, message regex)`` pairs for ``exercise``.
+
+    Use with ``names_the_mistake(exercise, message)`` in the test body; registering the cases
+    lets the exercise standard's test prove that every exercise has enough of them.
+    """
+    MUTANTS[exercise].extend(repr(message) for _, message in cases)
+    ids = [getattr(wrong, "__name__", f"case{i}") for i, (wrong, _) in enumerate(cases)]
+    return pytest.mark.parametrize("wrong, message", cases, ids=ids)

@@ -7,5 +7,6 @@ formula, and when the answer is wrong it tries the usual wrong answers to say wh
 
 from aie_lessons.checks import stage01, stage02, stage03, stage04, stage05
 from aie_lessons.checks.common import CheckFailed
+from aie_lessons.checks.hints import hint
 
-__all__ = ["CheckFailed", "stage01", "stage02", "stage03", "stage04", "stage05"]
+__all__ = ["CheckFailed", "hint", "stage01", "stage02", "stage03", "stage04", "stage05"]

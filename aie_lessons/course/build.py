@@ -33,6 +33,7 @@ from pathlib import Path
 
 import nbformat
 
+from aie_lessons.course import exercise_lines
 from aie_lessons.course.source import (
     GENERATED_RE,
     PACKAGE,
@@ -247,16 +248,19 @@ def readme_block(table: dict[str, list[str]]) -> str:
     return "\n".join(["| stage | exports |", "|---|---|", *rows])
 
 
-def with_readme_block(readme: str, block: str) -> str:
-    """The README's text with what lies between its stage-modules markers replaced by ``block``."""
-    begin, end = readme.find(README_BEGIN), readme.find(README_END)
+def with_readme_block(
+    readme: str, block: str, markers: tuple[str, str] = (README_BEGIN, README_END),
+    what: str = "stage → module table",
+) -> str:
+    """The README's text with what lies between a pair of markers replaced by ``block``."""
+    begin_marker, end_marker = markers
+    begin, end = readme.find(begin_marker), readme.find(end_marker)
     if begin < 0 or end < begin:
         raise SourceError(
-            f"README.md has no `{README_BEGIN}` … `{README_END}` block for the generated "
-            "stage → module table. Fix: put those two lines, in that order, where the table "
-            "belongs."
+            f"README.md has no `{begin_marker}` … `{end_marker}` block for the generated "
+            f"{what}. Fix: put those two lines, in that order, where the table belongs."
         )
-    return f"{readme[:begin + len(README_BEGIN)]}\n{block}\n{readme[end:]}"
+    return f"{readme[:begin + len(begin_marker)]}\n{block}\n{readme[end:]}"
 
 
 # --- solution notebooks -------------------------------------------------------------------------
@@ -325,7 +329,12 @@ def build(
         if not check:
             remove_orphan(path, roots)
     readme = roots.readme.read_text() if roots.readme.exists() else ""
-    sync(roots.readme, with_readme_block(readme, readme_block(stage_module_table(loaded, roots))))
+    readme = with_readme_block(readme, readme_block(stage_module_table(loaded, roots)))
+    if exercise_lines.README_BEGIN in readme or any(s.exercises for s in loaded):
+        readme = with_readme_block(readme, exercise_lines.table(loaded),
+                                   (exercise_lines.README_BEGIN, exercise_lines.README_END),
+                                   "table of learner-written lines")
+    sync(roots.readme, readme)
     for stage in selected:
         sync(roots.notebooks / f"{stage.name}.ipynb", notebook_text(learner_notebook(stage)))
     # Modules first: a solution notebook may import an earlier stage's module.
