@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import shutil
 import xml.etree.ElementTree as ET
 
@@ -241,3 +242,29 @@ def test_nbval_failing_to_run_is_an_error_not_a_silent_zero(tmp_path):
 
     with pytest.raises(GradeError, match=r"nbval could not run missing.ipynb \(exit status 4\)"):
         run_nbval(tmp_path / "missing.ipynb", cell_timeout=10)
+
+
+def _all_exercises():
+    from aie_lessons.course.build import ROOTS, load_stages
+
+    return [(s, e.id) for s in load_stages(ROOTS) for e in s.exercises]
+
+
+@pytest.mark.parametrize("stage, exercise", _all_exercises(), ids=[e for _, e in _all_exercises()])
+def test_one_wrong_exercise_fails_that_exercise_alone(stage, exercise):
+    """Each exercise's mistake is reported against it and no other: the checks give later
+    exercises the reference versions of earlier ones (``checks.common.isolated``), so one wrong
+    function cannot fail the whole stage. Checked the way the grader checks, sealed."""
+    from aie_lessons.course.grade import grading_notebook, sealed_checks
+
+    cell_id = f"s{stage.number}-ex-{exercise.replace('.', '-')}"
+    stub = next(c for c in nbformat.read(NOTEBOOKS_DIR / f"{stage.name}.ipynb", as_version=4).cells
+                if c.get("id") == cell_id)
+    learner = solution(stage.name)
+    wrong = re.sub(r"raise NotImplementedError\(.*\)", 'raise RuntimeError("a deliberate mistake")', stub.source)
+    assert wrong != stub.source, f"{cell_id} has no stub to replace"
+    next(c for c in learner.cells if c.get("id") == cell_id).source = wrong
+    verdicts = sealed_checks(stage.number, grading_notebook(solution(stage.name), learner), timeout=900)
+    failed = sorted(e for e, v in verdicts.items() if not v.passed)
+    assert failed == [exercise], {e: verdicts[e].message[:300] for e in failed}
+    assert "a deliberate mistake" in verdicts[exercise].message
