@@ -28,7 +28,9 @@ def mutants(exercise: str, cases: list[tuple]):
     """Parametrize a test over ``(wrong implementation, message regex)`` pairs for ``exercise``.
 
     Use with ``names_the_mistake(exercise, message)`` in the test body; registering the cases
-    lets the exercise standard's test prove that every exercise has enough of them.
+    lets the exercise standard's test prove that every exercise has enough of them. It counts
+    distinct messages registered at import, so two mutants that the check cannot tell apart count
+    once; whether each one fails with its message is the decorated test's job.
     """
     MUTANTS[exercise].extend(repr(message) for _, message in cases)
     ids = [getattr(wrong, "__name__", f"case{i}") for i, (wrong, _) in enumerate(cases)]

@@ -16,7 +16,7 @@ import pytest
 
 from aie_lessons import checks
 from aie_lessons.course import build, exercise_lines
-from aie_lessons.course.source import BEGIN_RE, END_RE, HINT_RE, exercises_in
+from aie_lessons.course.source import BEGIN_RE, END_RE, SourceError, exercises_in, stub_exercises
 
 from check_expect import MUTANTS
 
@@ -79,6 +79,10 @@ def test_hint_prints_each_level_and_refuses_bad_requests(capsys):
         checks.hint(exercise.id, level=4)
     with pytest.raises(ValueError, match="should look like"):
         checks.hint("two")
+    with pytest.raises(TypeError, match="as a string"):
+        checks.hint(1.10)
+    checks.hint(f"0{exercise.id}")  # a leading zero names the same exercise
+    assert "hint 1 of 3" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("stage", STAGES, ids=[s.name for s in STAGES])
@@ -89,7 +93,8 @@ def test_each_exercise_has_its_own_cell_under_its_heading(stage):
         if not found:
             continue
         assert len(found) == 1, f"{stage.name}: exercises {[e.id for e in found]} share one cell"
-        before = next(c for c in reversed(cells[:index]) if c.cell_type == "markdown")
+        before = next((c for c in reversed(cells[:index]) if c.cell_type == "markdown"), None)
+        assert before is not None, f"{stage.name}: exercise {found[0].id} has no markdown cell before it"
         heading = re.compile(rf"^#+ .*Exercise {re.escape(found[0].id)}\b", re.MULTILINE)
         assert heading.search(before.source), (
             f"{stage.name}: exercise {found[0].id} has no `### Exercise {found[0].id} — …` "
@@ -110,6 +115,23 @@ def test_every_exercise_is_proven_by_three_mutants():
     assert not short, f"exercises with fewer than {MIN_MUTANTS} mutants (tests/check_expect.mutants): {short}"
 
 
-def test_hint_markers_are_recognised_only_inside_a_region():
-    assert HINT_RE.match("    # Hint 1: the idea")
-    assert not HINT_RE.match("    # Hint 3: no such level")
+REGION = "def f():\n    # BEGIN EXERCISE 9.1: t\n{hints}    return 1\n    # END EXERCISE 9.1\n"
+GOOD_HINTS = "    # Hint 1: the idea, said plainly\n    # Hint 2: the approach, said plainly\n"
+
+
+@pytest.mark.parametrize("text, message", [
+    ("# Hint 1: outside any region\n" + REGION.format(hints=GOOD_HINTS), "outside any exercise region"),
+    (REGION.format(hints=GOOD_HINTS + "    # Hint 1: again\n"), "two `# Hint 1:` lines"),
+    (REGION.format(hints="    # Hint 1: the idea\n    #   continued here\n    # Hint 2: b\n"), "write each hint on one line"),
+    (REGION.format(hints=GOOD_HINTS + "    # Hint 3: the code\n"), "is not `# Hint 1"),
+    (REGION.format(hints="    # Hint 2: only the approach\n"), "needs two hint lines"),
+])
+def test_hint_lines_that_would_leak_or_be_lost_are_refused(text, message):
+    with pytest.raises(SourceError, match=message):
+        stub_exercises(text)
+
+
+def test_a_stub_keeps_no_hint_and_no_code():
+    stub = stub_exercises(REGION.format(hints=GOOD_HINTS))
+    assert "said plainly" not in stub and "return 1" not in stub
+    assert 'checks.hint("9.1")' in stub

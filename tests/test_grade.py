@@ -58,7 +58,7 @@ def test_exactly_one_wrong_exercise_fails_exactly_that_exercise(tmp_path, capsys
         "return q.view(batch, heads // num_kv_heads, num_kv_heads, seq, head_dim).transpose(1, 2)",
     )
     [result] = grade(submit(tmp_path, nb), ["02"])
-    assert exercises(result) == {"2.1": True, "2.2": True, "2.3": False, "2.4": True}
+    assert exercises(result) == {"2.1": True, "2.2": True, "2.3": False, "2.4": True, "2.5": True}
     wrong = next(e for e in result.exercises if e.id == "2.3")
     assert "h % Hkv" in wrong.message
     assert "exercise 2.3 failed" in format_report([result])
@@ -247,10 +247,10 @@ def test_nbval_failing_to_run_is_an_error_not_a_silent_zero(tmp_path):
 def _all_exercises():
     from aie_lessons.course.build import ROOTS, load_stages
 
-    return [(s, e.id) for s in load_stages(ROOTS) for e in s.exercises]
+    return [pytest.param(s, e.id, id=e.id) for s in load_stages(ROOTS) for e in s.exercises]
 
 
-@pytest.mark.parametrize("stage, exercise", _all_exercises(), ids=[e for _, e in _all_exercises()])
+@pytest.mark.parametrize("stage, exercise", _all_exercises())
 def test_one_wrong_exercise_fails_that_exercise_alone(stage, exercise):
     """Each exercise's mistake is reported against it and no other: the checks give later
     exercises the reference versions of earlier ones (``checks.common.isolated``), so one wrong

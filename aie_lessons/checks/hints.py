@@ -21,8 +21,11 @@ def hint(exercise: str, level: int = 1) -> None:
     """Print hint ``level`` (1 the idea, 2 the approach, 3 the code) for ``exercise``, e.g. "2.2"."""
     from aie_lessons.course.source import exercises_in  # jupytext is needed only when asked
 
-    if not re.fullmatch(r"\d+\.\d+", str(exercise)):
+    if not isinstance(exercise, str):  # 1.10 as a float is 1.1: only a string says which
+        raise TypeError(f'pass the exercise id as a string, e.g. checks.hint("1.10"), not {exercise!r}')
+    if not re.fullmatch(r"\d+\.\d+", exercise):
         raise ValueError(f'exercise should look like "2.2" (stage.number), got {exercise!r}')
+    exercise = ".".join(str(int(part)) for part in exercise.split("."))  # "01.2" is "1.2"
     if level not in (1, 2, 3):
         raise ValueError(f"level should be 1 (the idea), 2 (the approach) or 3 (the code), got {level!r}")
     stage = f"{int(exercise.split('.')[0]):02d}"
