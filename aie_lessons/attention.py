@@ -9,9 +9,16 @@ import torch
 from aie_lessons.model import Attention, apply_rope, register_attention_backend
 from aie_lessons.shapes import Dims
 
-# A mask fills forbidden scores with the most negative float, not -inf: a row whose every
-# key is masked then gives a uniform softmax instead of 0/0 = NaN.
+# A mask fills forbidden scores with float32's most negative number, not -inf: a row whose every
+# key is masked then gives a uniform softmax instead of 0/0 = NaN. Only a float32 tensor can hold
+# it (fp16 and bf16 overflow), so scores are masked after they are turned into float32.
 MASKED = torch.finfo(torch.float32).min
+
+
+def merge_heads(x: torch.Tensor) -> torch.Tensor:
+    """(B, H, S, D) -> (B, S, H·D): the inverse of ``split_heads``, ready for ``o_proj``."""
+    batch, heads, seq, head_dim = x.shape
+    return x.transpose(1, 2).reshape(batch, seq, heads * head_dim)
 
 
 def split_heads(x: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -20,21 +27,15 @@ def split_heads(x: torch.Tensor, num_heads: int) -> torch.Tensor:
     return x.view(batch, seq, num_heads, width // num_heads).transpose(1, 2)
 
 
-def merge_heads(x: torch.Tensor) -> torch.Tensor:
-    """(B, H, S, D) -> (B, S, H·D): the inverse of ``split_heads``."""
-    batch, heads, seq, head_dim = x.shape
-    return x.transpose(1, 2).reshape(batch, seq, heads * head_dim)
-
-
 def attention_weights(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
     """softmax(q·kᵀ / √D) over keys, with forbidden (mask False) scores removed.
 
     q is (..., S, D), k is (..., T, D); mask broadcasts to (..., S, T). Returns (..., S, T).
     """
-    scores = (q @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5
+    scores = (q @ k.transpose(-1, -2)).float() * q.shape[-1] ** -0.5
     if mask is not None:
         scores = scores.masked_fill(~mask, MASKED)
-    return torch.softmax(scores.float(), dim=-1).to(q.dtype)
+    return torch.softmax(scores, dim=-1).to(q.dtype)
 
 
 def group_queries(q: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
@@ -43,37 +44,11 @@ def group_queries(q: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
     return q.view(batch, num_kv_heads, heads // num_kv_heads, seq, head_dim)
 
 
-@register_attention_backend("manual")
-def manual_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None
-) -> torch.Tensor:
-    """Attention by hand: q (B, Hq, S, D), k/v (B, Hkv, T, D), mask (B|1, 1, S, T) -> (B, Hq, S, D).
-
-    Without a mask, query i may see keys up to its own position, counted from the end: with a
-    cache the S new queries are the *last* S of the T positions.
-    """
-    dims = Dims()
-    dims.check("q", q, "B Hq S D")
-    dims.check("k", k, "B Hkv T D")
-    dims.check("v", v, "B Hkv T D")
-    seq, kv_len = dims.sizes["S"], dims.sizes["T"]
-    if mask is None:
-        mask = torch.ones(seq, kv_len, dtype=torch.bool, device=q.device).tril(kv_len - seq)
-    groups = dims.sizes["Hq"] // dims.sizes["Hkv"]
-    dims.sizes["G"] = groups
-    q_grouped = dims.check("q grouped", group_queries(q, dims.sizes["Hkv"]), "B Hkv G S D")
-    k_grouped, v_grouped = k.unsqueeze(2), v.unsqueeze(2)  # (B, Hkv, 1, T, D): a view, no copy
-    mask = mask.unsqueeze(2) if mask.dim() == 4 else mask  # (B|1, 1, 1, S, T)
-    weights = dims.check("weights", attention_weights(q_grouped, k_grouped, mask), "B Hkv G S T")
-    out = dims.check("out grouped", weights @ v_grouped, "B Hkv G S D")
-    return dims.check("out", out.flatten(1, 2), "B Hq S D")
-
-
 def attention_layer(
     attn: Attention, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The seeds' chain for one layer: x (B, S, H·D) -> ... -> (B, S, H·D), every shape checked."""
+    """The diagram's chain for one layer: x (B, S, H·D) -> ... -> (B, S, H·D), every shape checked."""
     config = attn.config
     dims = Dims(Hq=config.num_heads, Hkv=config.num_kv_heads, D=config.head_dim)
     dims.check("x", x, "B S Hq*D")
@@ -84,3 +59,32 @@ def attention_layer(
     out = dims.check("attention", manual_attention(q, k, v, mask), "B Hq S D")
     merged = dims.check("merged", merge_heads(out), "B S Hq*D")
     return dims.check("output", attn.o_proj(merged), "B S Hq*D")
+
+
+@register_attention_backend("manual")
+def manual_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Attention by hand: q (B, Hq, S, D), k/v (B, Hkv, T, D), mask (B|1, 1, S, T) -> (B, Hq, S, D).
+
+    Without a mask, query i may see keys up to its own position, counted from the end: with a
+    cache the S new queries are the *last* S of the T positions. The G query heads that share a
+    kv head are stacked as extra query rows, so k and v are read in place and never copied.
+    """
+    dims = Dims()
+    dims.check("q", q, "B Hq S D")
+    dims.check("k", k, "B Hkv T D")
+    dims.check("v", v, "B Hkv T D")
+    batch, heads, seq, head_dim = q.shape
+    kv_heads, kv_len = k.shape[1], k.shape[2]
+    groups = heads // kv_heads
+    if mask is None:
+        mask = torch.ones(seq, kv_len, dtype=torch.bool, device=q.device).tril(kv_len - seq)
+    elif mask.dim() == 4:
+        mask = mask.unsqueeze(2)  # (B|1, 1, 1, S, T): broadcasts over kv heads and groups
+    rows = q.reshape(batch, kv_heads, groups * seq, head_dim)  # copies q (small), never k
+    scores = (rows @ k.transpose(-1, -2)).float() * head_dim ** -0.5  # (B, Hkv, G·S, T)
+    scores = scores.view(batch, kv_heads, groups, seq, kv_len).masked_fill(~mask, MASKED)
+    weights = torch.softmax(scores, dim=-1).to(v.dtype)
+    out = weights.view(batch, kv_heads, groups * seq, kv_len) @ v  # (B, Hkv, G·S, D)
+    return dims.check("out", out.view(batch, heads, seq, head_dim), "B Hq S D")

@@ -7,8 +7,11 @@ from __future__ import annotations
 import importlib.util
 import os
 import sys
+from collections.abc import Callable
 
 import torch
+
+from aie_lessons.attention import group_queries
 
 from aie_lessons.model import register_attention_backend
 
@@ -52,7 +55,7 @@ def tiled_attention(
     batch, heads, q_len, head_dim = q.shape
     kv_heads, kv_len = k.shape[1], k.shape[2]
     dtype = q.dtype
-    q = q.view(batch, kv_heads, heads // kv_heads, q_len, head_dim).float() * head_dim**-0.5
+    q = group_queries(q, kv_heads).float() * head_dim**-0.5  # (B, Hkv, G, S, D)
     k, v = k[:, :, None].float(), v[:, :, None].float()  # (B, Hkv, 1, T, D): shared by the group
     out = torch.empty_like(q)
     lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
@@ -79,88 +82,163 @@ def tiled_attention(
 if HAS_TRITON:
 
     @triton.jit
+    def _scale_kernel(X, Y, n, factor, BLOCK: tl.constexpr):
+        """Y[i] = factor · X[i], one block of BLOCK elements per program."""
+        pid = tl.program_id(0)
+        offs = pid * BLOCK + tl.arange(0, BLOCK)
+        inside = offs < n
+        x = tl.load(X + offs, mask=inside)
+        tl.store(Y + offs, x * factor, mask=inside)
+
+
+def scale_vector(x: torch.Tensor, factor: float, out: torch.Tensor | None = None,
+                 block: int = 128) -> torch.Tensor:
+    """factor · x for a 1-D tensor, computed by ``_scale_kernel`` (into ``out`` when given)."""
+    if not HAS_TRITON:
+        raise RuntimeError("triton is not installed (it has no macOS build)")
+    if x.dim() != 1 or x.stride(0) != 1:
+        raise ValueError(f"scale_vector takes a contiguous 1-D tensor, got shape {tuple(x.shape)}")
+    out = torch.empty_like(x) if out is None else out
+    _scale_kernel[(triton.cdiv(x.numel(), block),)](x, out, x.numel(), factor, BLOCK=block)
+    return out
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _softmax_rows_kernel(X, Y, stride_x, stride_y, n_cols, BLOCK: tl.constexpr):
+        """Softmax of one row of X into the same row of Y, one program per row."""
+        row = tl.program_id(0)
+        cols = tl.arange(0, BLOCK)
+        inside = cols < n_cols
+        x = tl.load(X + row * stride_x + cols, mask=inside, other=float("-inf")).to(tl.float32)
+        e = tl.exp(x - tl.max(x, 0))
+        tl.store(Y + row * stride_y + cols, e / tl.sum(e, 0), mask=inside)
+
+
+def softmax_rows(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Softmax over the last dimension of a 2-D tensor, by ``_softmax_rows_kernel``.
+
+    Rows may be strided (a slice of a wider tensor); the elements within a row are contiguous.
+    """
+    if not HAS_TRITON:
+        raise RuntimeError("triton is not installed (it has no macOS build)")
+    if x.dim() != 2 or x.stride(1) != 1:
+        raise ValueError(f"softmax_rows takes a 2-D tensor with contiguous rows, got {tuple(x.shape)}")
+    out = torch.empty_like(x) if out is None else out
+    rows, n_cols = x.shape
+    _softmax_rows_kernel[(rows,)](x, out, x.stride(0), out.stride(0), n_cols,
+                                  BLOCK=triton.next_power_of_2(n_cols))
+    return out
+
+
+if HAS_TRITON:
+
+    @triton.jit
     def _flash_forward(
         Q, K, V, O, LSE,
-        stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks,
-        stride_vb, stride_vh, stride_vs, stride_ob, stride_oh, stride_os,
-        q_len, kv_len, num_heads, groups, scale,
+        stride_qb, stride_qh, stride_qg, stride_qs, stride_kb, stride_kh, stride_ks,
+        stride_vb, stride_vh, stride_vs, stride_ob, stride_oh, stride_og, stride_os,
+        q_len, kv_len, kv_heads, groups, scale,
         CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         HEAD_DIM: tl.constexpr, PRECISION: tl.constexpr,
     ):
-        block = tl.program_id(0)
-        batch_head = tl.program_id(1)
-        b, h = batch_head // num_heads, batch_head % num_heads
-        kv_h = h // groups  # grouped-query attention: G consecutive heads share a kv head
+        """One block of BLOCK_M queries of one query head against all of its K/V head's keys."""
+        block, batch_kv, g = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        b, kv_h = batch_kv // kv_heads, batch_kv % kv_heads
         offs_m = block * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_d = tl.arange(0, HEAD_DIM)
-        q_ptrs = Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qs + offs_d[None, :]
+        q_ptrs = (Q + b * stride_qb + kv_h * stride_qh + g * stride_qg
+                  + offs_m[:, None] * stride_qs + offs_d[None, :])
+        o_ptrs = (O + b * stride_ob + kv_h * stride_oh + g * stride_og
+                  + offs_m[:, None] * stride_os + offs_d[None, :])
+        lse_ptrs = LSE + (batch_kv * groups + g) * q_len + offs_m  # LSE is (B, Hkv·G, S), contiguous
+        k_base = K + b * stride_kb + kv_h * stride_kh
+        v_base = V + b * stride_vb + kv_h * stride_vh
         q = tl.load(q_ptrs, mask=offs_m[:, None] < q_len, other=0.0)
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
         offset = kv_len - q_len
         end = kv_len
-        if CAUSAL:  # the causal block skip of exercise 5.2
+        if CAUSAL:
             end = tl.minimum(kv_len, offset + (block + 1) * BLOCK_M)
-        k_base = K + b * stride_kb + kv_h * stride_kh
-        v_base = V + b * stride_vb + kv_h * stride_vh
         for start in range(0, end, BLOCK_N):
             offs_n = start + tl.arange(0, BLOCK_N)
-            k = tl.load(k_base + offs_n[:, None] * stride_ks + offs_d[None, :],
-                        mask=offs_n[:, None] < kv_len, other=0.0)
-            scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # (BLOCK_M, BLOCK_N)
-            valid = offs_n[None, :] < kv_len
+            rows_exist = offs_n[:, None] < kv_len
+            k = tl.load(k_base + offs_n[:, None] * stride_ks + offs_d[None, :], mask=rows_exist, other=0.0)
+            v = tl.load(v_base + offs_n[:, None] * stride_vs + offs_d[None, :], mask=rows_exist, other=0.0)
+            scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+            visible = offs_n[None, :] < kv_len
             if CAUSAL:
-                valid = valid & (offs_n[None, :] <= offset + offs_m[:, None])
-            scores = tl.where(valid, scores, float("-inf"))
+                visible = visible & (offs_n[None, :] <= offset + offs_m[:, None])
+            scores = tl.where(visible, scores, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(scores, 1))
             alpha = tl.exp(m_i - m_new)
             p = tl.exp(scores - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(v_base + offs_n[:, None] * stride_vs + offs_d[None, :],
-                        mask=offs_n[:, None] < kv_len, other=0.0)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
             m_i = m_new
-        acc = acc / l_i[:, None]
-        o_ptrs = O + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_os + offs_d[None, :]
-        tl.store(o_ptrs, acc.to(O.dtype.element_ty), mask=offs_m[:, None] < q_len)
-        tl.store(LSE + batch_head * q_len + offs_m, m_i + tl.log(l_i), mask=offs_m < q_len)
+        out = acc / l_i[:, None]
+        tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=offs_m[:, None] < q_len)
+        tl.store(lse_ptrs, m_i + tl.log(l_i), mask=offs_m < q_len)
 
 
 def interpreted() -> bool:
+    """Whether kernels run in Triton's CPU interpreter: it reads CPU tensors and computes bfloat16
+    wrongly, where compiled kernels read GPU memory only, so the callers choose by it."""
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def triton_flash_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
     block_m: int | None = None, block_n: int | None = None,
+    out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The Triton kernel: q (B, Hq, S, D), k/v (B, Hkv, T, D) -> out (B, Hq, S, D), lse (B, Hq, S).
 
-    The device is the tensors' own (from torch), never Triton's "active driver", which does not
-    exist on a machine without a GPU.
+    ``out`` and ``lse`` (contiguous) may be given, as for ``scale_vector``: the checks pass views
+    of larger guarded buffers, so that a store past the end lands where they can see it. The
+    device is the tensors' own (from torch), never Triton's "active driver", which does not exist
+    on a machine without a GPU.
     """
     if not HAS_TRITON:
         raise RuntimeError("triton is not installed (it has no macOS build): use tiled_attention")
     if interpreted() and q.dtype == torch.bfloat16:
         raise TypeError("bfloat16 is computed wrongly by the Triton interpreter (NumPy has no "
                         "bfloat16): use float16 or float32 on a CPU")
+    if not interpreted() and not all(t.is_cuda for t in (q, k, v)):
+        raise ValueError(f"compiled Triton reads GPU memory only, and q, k, v are on {q.device}, "
+                         f"{k.device}, {v.device}: move them to CUDA (or use tiled_attention)")
+    if q.dim() != 4 or k.dim() != 4 or k.shape != v.shape:
+        raise ValueError(f"q must be (B, Hq, S, D) and k, v (B, Hkv, T, D) of one shape; got q "
+                         f"{tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
     batch, heads, q_len, head_dim = q.shape
     kv_heads, kv_len = k.shape[1], k.shape[2]
-    if head_dim not in (16, 32, 64, 128) or heads % kv_heads or k.shape != v.shape:
-        raise ValueError(f"unsupported shapes q {tuple(q.shape)}, k {tuple(k.shape)}, "
-                         f"v {tuple(v.shape)}: head_dim must be 16/32/64/128 and Hq a multiple of Hkv")
+    if k.shape[0] != batch or k.shape[3] != head_dim or heads % kv_heads or (causal and q_len > kv_len):
+        raise ValueError(f"q {tuple(q.shape)} does not fit k/v {tuple(k.shape)}: the batch and "
+                         "head_dim must match, Hq be a multiple of Hkv, and (causal) S at most T")
+    if head_dim not in (16, 32, 64, 128):
+        raise ValueError(f"head_dim must be 16, 32, 64 or 128 (tl.dot needs ≥ 16), got {head_dim}")
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     block_m = block_m or (16 if interpreted() else 64)
     block_n = block_n or (16 if interpreted() else 64)
-    out = torch.empty_like(q)
-    lse = torch.empty(batch, heads, q_len, dtype=torch.float32, device=q.device)
-    grid = (triton.cdiv(q_len, block_m), batch * heads)
+    out = torch.empty_like(q) if out is None else out
+    lse = torch.empty(batch, heads, q_len, dtype=torch.float32, device=q.device) if lse is None else lse
+    if out.shape != q.shape or out.stride(-1) != 1 or lse.shape != (batch, heads, q_len) \
+            or not lse.is_contiguous() or lse.dtype != torch.float32:
+        raise ValueError(f"out must be {tuple(q.shape)} with contiguous rows and lse a contiguous "
+                         f"float32 {(batch, heads, q_len)}; got {tuple(out.shape)}, {tuple(lse.shape)}")
+    groups = heads // kv_heads
+    q_grouped, out_grouped = group_queries(q, kv_heads), group_queries(out, kv_heads)  # (B, Hkv, G, S, D)
+    if out_grouped.data_ptr() != out.data_ptr():
+        raise ValueError("group_queries (exercise 2.3) returned a copy: the kernel writes the output "
+                         "through its result, which must be a view of the tensor it was given")
+    grid = (triton.cdiv(q_len, block_m), batch * kv_heads, groups)
     _flash_forward[grid](
-        q, k, v, out, lse,
-        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
-        q_len, kv_len, heads, heads // kv_heads, head_dim**-0.5,
+        q_grouped, k, v, out_grouped, lse,
+        *q_grouped.stride()[:4], *k.stride()[:3], *v.stride()[:3], *out_grouped.stride()[:4],
+        q_len, kv_len, kv_heads, groups, head_dim**-0.5,
         CAUSAL=causal, BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=head_dim,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
     )
@@ -171,9 +249,29 @@ def triton_flash_attention(
 def flash_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """The model's "flash" backend: Triton where it exists, the tiled PyTorch version elsewhere."""
+    """The model's "flash" backend: the Triton kernel where it can run these tensors, else the
+    tiled PyTorch version (no Triton; CPU tensors with a compiled Triton; bfloat16 under the
+    interpreter, which computes it wrongly)."""
     if mask is not None:
         raise ValueError("the flash backend computes causal attention without a padding mask; "
                          "for padded batches use the 'sdpa' or 'manual' backend")
-    fn = triton_flash_attention if HAS_TRITON else tiled_attention
+    kernel_runs = HAS_TRITON and (
+        q.is_cuda or (interpreted() and q.dtype != torch.bfloat16))
+    fn = triton_flash_attention if kernel_runs else tiled_attention
     return fn(q, k, v, causal=q.shape[-2] > 1)[0]
+
+
+def gpu_milliseconds(fn: Callable[[], object], repeats: int = 20) -> float:
+    """Median milliseconds of ``fn`` on the GPU: CUDA events around each call, after a warm-up
+    (the first call compiles the kernel), so that launch queues are timed, not the host."""
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]

@@ -50,14 +50,14 @@ class KVCache:
         A new request reuses the memory by starting again at 0: old entries are overwritten.
         """
         new = k.shape[2]
+        end = start + new
         if start < 0:
             raise ValueError(f"start={start}: cache columns start at 0")
-        if start + new > self.max_len:
+        if end > self.max_len:
             raise CacheFullError(
                 f"the KV cache holds {self.max_len} positions; {new} were written at column "
-                f"{start}. Fix: allocate max_len ≥ prompt + max_new_tokens (here {start + new})."
+                f"{start}. Fix: allocate max_len ≥ prompt + max_new_tokens (here {end})."
             )
-        end = start + new
         self.keys[layer, :, :, start:end] = k
         self.values[layer, :, :, start:end] = v
         return self.keys[layer, :, :, :end], self.values[layer, :, :, :end]

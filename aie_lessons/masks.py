@@ -7,6 +7,13 @@ from __future__ import annotations
 import torch
 
 
+def to_additive(mask: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The other convention: 0 where attention is allowed, a huge negative number where not."""
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(
+        ~mask, torch.finfo(dtype).min
+    )
+
+
 def causal_mask(q_len: int, kv_len: int, device: torch.device | str | None = None) -> torch.Tensor:
     """(q_len, kv_len) bool, True where query i (position kv_len - q_len + i) may see key j."""
     return torch.ones(q_len, kv_len, dtype=torch.bool, device=device).tril(kv_len - q_len)
@@ -24,10 +31,3 @@ def attention_mask(is_real: torch.Tensor, q_len: int) -> torch.Tensor:
     queries = torch.arange(q_len, device=is_real.device) + (kv_len - q_len)
     itself = keys[None, :] == queries[:, None]  # (S, T)
     return (mask | itself)[:, None]  # (B, 1, S, T)
-
-
-def to_additive(mask: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """The other convention: 0 where attention is allowed, a huge negative number where not."""
-    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(
-        ~mask, torch.finfo(dtype).min
-    )

@@ -68,6 +68,18 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return (normed * weight.float()).to(x.dtype)
 
 
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """(x1, x2) -> (-x2, x1) on the two halves of the last dimension: a 90° turn of each pair."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([-x2, x1], dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate q or k, shaped (B, H, S, D), by the angles in cos/sin, shaped (B, S, D)."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return (x * cos + rotate_half(x) * sin).to(x.dtype)
+
+
 def rope_cos_sin(
     positions: torch.Tensor, head_dim: int, theta: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -81,18 +93,6 @@ def rope_cos_sin(
     angles = positions.float()[..., None] * inv_freq  # (B, S, D/2)
     angles = torch.cat([angles, angles], dim=-1)  # (B, S, D)
     return angles.cos(), angles.sin()
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    """(x1, x2) -> (-x2, x1) on the two halves of the last dimension: a 90° turn of each pair."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat([-x2, x1], dim=-1)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate q or k, shaped (B, H, S, D), by the angles in cos/sin, shaped (B, S, D)."""
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    return (x * cos + rotate_half(x) * sin).to(x.dtype)
 
 
 class Linear(nn.Linear):
@@ -172,7 +172,8 @@ class MLP(nn.Module):
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate = F.silu(self.gate_proj(x))  # (..., intermediate)
+        return self.down_proj(gate * self.up_proj(x))
 
 
 class DecoderLayer(nn.Module):

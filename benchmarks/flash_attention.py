@@ -1,7 +1,8 @@
 """Flash attention TFLOP/s: our Triton kernel vs PyTorch's SDPA across sequence lengths (GPU).
 
-Both run in the same process on the same inputs, interleaved, so the ratio is meaningful even on
-a busy machine. Causal attention does half the work of full attention: FLOPs = 2 · 2·B·H·S²·D / 2.
+Both run in the same process on the same inputs, interleaved (one call of each per repeat, each
+timed by CUDA events), so that a clock or load change on a busy machine hits both alike and the
+ratio stays meaningful. Causal attention does half the work of full attention: FLOPs = 2 · 2·B·H·S²·D / 2.
 
     .venv/bin/python benchmarks/flash_attention.py [--dtype bfloat16] [--head-dim 64]
 """
@@ -10,24 +11,28 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
 
-def timed_ms(fn, repeats: int = 20) -> float:
-    """Median milliseconds of ``fn`` on the GPU, timed with CUDA events after a warm-up."""
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
+def interleaved_milliseconds(fns: list[Callable[[], object]], repeats: int = 20) -> list[float]:
+    """Median milliseconds of each of ``fns``, timed in turn within every repeat (after one warm-up
+    call each, which compiles the kernel), so that no function gets the quieter half of the run."""
+    for fn in fns:
         fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
+    torch.cuda.synchronize()
+    times: list[list[float]] = [[] for _ in fns]
+    for _ in range(repeats):
+        for fn, samples in zip(fns, times):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            samples.append(start.elapsed_time(end))
+    return [sorted(samples)[len(samples) // 2] for samples in times]
 
 
 def main() -> int:
@@ -57,8 +62,9 @@ def main() -> int:
         q = torch.randn(shape_q, device="cuda", dtype=dtype)
         k, v = torch.randn(shape_kv, device="cuda", dtype=dtype), torch.randn(shape_kv, device="cuda", dtype=dtype)
         flops = 2 * 2 * args.batch * args.heads * seq * seq * args.head_dim / 2
-        ours = timed_ms(lambda: triton_flash_attention(q, k, v, causal=True))
-        sdpa = timed_ms(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True))
+        ours, sdpa = interleaved_milliseconds([
+            lambda: triton_flash_attention(q, k, v, causal=True),
+            lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)])
         print(f"{seq:>6} {flops / ours / 1e9:>13.1f} {flops / sdpa / 1e9:>13.1f} {sdpa / ours:>12.2f}")
     return 0
 

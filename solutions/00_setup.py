@@ -83,28 +83,49 @@ for key in ("num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_
 # %% [markdown]
 # ## A hardware fact that explains a lot: memory bandwidth
 #
-# To produce one token, the model reads *every* weight once: 135 M parameters × 4 bytes = 538 MB
-# in float32. No matter how fast the arithmetic, a token cannot come faster than memory can
-# deliver those bytes. Copying a large tensor measures that speed; dividing it by the bytes per
-# token gives a ceiling, the *roofline*, that stage 04 and stage 09 compare the engine against.
+# To produce one token, the model reads *every* weight once, and multiplies each number it
+# reads once (by one number of the current token's vector) — the output head included, which
+# SmolLM2 shares with the embedding table (`tie_word_embeddings` above): the table is read
+# whole, as the head. The processor could do those multiplications far faster than memory
+# delivers the numbers, so batch-1 decoding is *memory-bound*: its speed is set by how fast
+# memory can be read. First, the bytes, counted from `config.json`:
+
+# %%
+hidden, layers = config["hidden_size"], config["num_hidden_layers"]
+head_dim = config.get("head_dim", hidden // config["num_attention_heads"])
+attention = hidden * head_dim * (2 * config["num_attention_heads"] + 2 * config["num_key_value_heads"])
+mlp = 3 * hidden * config["intermediate_size"]
+parameters = layers * (attention + mlp + 2 * hidden) + hidden + config["vocab_size"] * hidden
+print(f"parameters read per token: {parameters:,}")
+print(f"bytes per token: {parameters * 4 / 1e6:.0f} MB in fp32, {parameters * 2 / 1e6:.0f} MB in bf16")
+
+# %% [markdown]
+# Now how fast this machine reads memory. `read_bandwidth` (from the package; stage 04 writes
+# the rest of its module) reads a buffer far larger than any CPU cache several times —
+# as a sum and as a matrix–vector product, keeping the faster — and returns the best and the
+# median speed: on a shared machine memory speed drifts from one second to the next. A decode
+# step only reads its bytes, so the probe only reads too.
 
 # %%
 # NBVAL_IGNORE_OUTPUT
-import time
+from aie_lessons.roofline import read_bandwidth
 
-import torch
+probe_megabytes = 512
+best_read, median_read = read_bandwidth(probe_megabytes)
+print(f"memory read bandwidth over {probe_megabytes} MB: best {best_read / 1e9:.1f} GB/s, "
+      f"median {median_read / 1e9:.1f} GB/s")
+for dtype, size in (("fp32", 4), ("bf16", 2)):
+    print(f"{dtype} weights: reading them takes {parameters * size / best_read * 1e3:.1f} ms, "
+          f"about {best_read / (parameters * size):.0f} tokens/s if a step did nothing else")
 
-buffer = torch.ones(64 * 2**20)  # 256 MB of float32
-target = torch.empty_like(buffer)
-best = float("inf")
-for _ in range(5):
-    start = time.perf_counter()
-    target.copy_(buffer)
-    best = min(best, time.perf_counter() - start)
-bandwidth = 2 * buffer.numel() * buffer.element_size() / best  # bytes read + bytes written
-weights_bytes = 134.5e6 * 4
-print(f"memory bandwidth (copy): {bandwidth / 1e9:.1f} GB/s")
-print(f"fp32 roofline for batch-1 decoding: {bandwidth / weights_bytes:.0f} tokens/s at most")
+# %% [markdown]
+# Dividing the bandwidth printed above by the bytes per token gives the tokens per second
+# printed above: the *roofline*, an estimate of how fast a batch-1 decoder can go on this
+# machine. It is an estimate, not a law: the probe is one moment's measurement on a machine
+# whose speed drifts (compare its best and median), another way of reading memory may be
+# faster than these two, and it leaves out the KV cache, which a step reads too and which grows
+# with the context. Stage 04 draws it against measured decoding speeds, up to contexts of
+# thousands of tokens; stage 09 takes it further.
 
 # %% [markdown]
 # ## First words

@@ -441,12 +441,22 @@ print(tokenizer.apply_chat_template([{"role": "user", "content": "What is the ca
 #  └──────────────────────────────────────────────────┘
 # ```
 #
-# Three pieces deserve a closer look, and two are exercises.
+# You write most of it: the norm, the rotation, the MLP, the block and the whole forward pass are
+# exercises; the projections and attention itself are given (stage 02 opens attention up).
 #
 # **RMSNorm** rescales each vector to unit root-mean-square, then multiplies by a learned
-# weight: `x / sqrt(mean(x²) + eps) * weight`. Unlike LayerNorm it does not subtract the mean.
-# We compute it in fp32 even when the model runs in bf16, because squaring small numbers in
-# 8 bits of mantissa loses them.
+# weight. Unlike LayerNorm it does not subtract the mean. It is computed in fp32 even when the
+# model runs in bf16 or fp16, for two reasons, both shown by the cell below.
+#
+# - *Range.* fp16's largest number is 65504, so squaring a coordinate of a few hundred already
+#   gives infinity; the mean of the squares is then infinite, and the vector comes out as zeros.
+# - *Precision of the sum.* mean(x²) adds up as many squares as the vector has coordinates (576
+#   for SmolLM2), and bf16 keeps only 8 significant bits. PyTorch's own reductions (`.mean()`,
+#   `.sum()`) quietly keep their running sum in fp32 even for bf16 inputs, so
+#   `x.bfloat16().pow(2).mean()` comes out close; but a kernel written with a bf16 running sum
+#   (you write kernels in stage 05) would not. The cell imitates one: it adds up the squares of
+#   256 vectors as wide as SmolLM2's hidden state, once with an fp32 running sum and once with a
+#   bf16 one, and compares torch's own bf16 mean.
 #
 # **RoPE** (rotary position embedding) encodes position by rotating pairs of q and k
 # coordinates by an angle `position × frequency`. Then `q·k` depends only on the *distance*
@@ -463,6 +473,51 @@ print(tokenizer.apply_chat_template([{"role": "user", "content": "What is the ca
 # their *input*, whatever their weights are stored in. So weights can be stored in bf16 (half
 # the bytes) while the arithmetic stays fp32 — the model's `activations`, fp32 unless you ask
 # otherwise — and the logits always leave the model in fp32. Stage 04 measures why.
+
+# %%
+def mean_of_squares_error(x: torch.Tensor, accumulate: torch.dtype) -> torch.Tensor:
+    """Signed relative error of mean(x²) per row when the running sum is kept in ``accumulate``.
+
+    The sum is written as one add per column so that every partial sum is rounded to
+    ``accumulate``, as a kernel with that accumulator would (elementwise adds round the same
+    way on every processor, so these numbers do not depend on the machine).
+    """
+    squares = x.pow(2)
+    running = torch.zeros(x.shape[0], dtype=accumulate)
+    for column in squares.to(accumulate).unbind(-1):
+        running = running + column
+    exact = squares.double().mean(-1)
+    return (running.double() / x.shape[-1] - exact) / exact
+
+
+large = torch.tensor([300.0, -250.0, 20.0])
+print(f"in fp16 the squares of {large.tolist()} are {large.half().pow(2).tolist()} (largest fp16: "
+      f"{torch.finfo(torch.float16).max:g}); their mean is {large.half().pow(2).mean().item()} in fp16, "
+      f"{large.pow(2).mean().item():.0f} in fp32")
+
+hidden_states = torch.randn(256, 576, generator=torch.Generator().manual_seed(0))
+bf16_error = mean_of_squares_error(hidden_states, torch.bfloat16)
+fp32_error = mean_of_squares_error(hidden_states, torch.float32)
+print(f"bf16 running sum: mean(x²) too small on every vector: {bool((bf16_error < 0).all())}, by "
+      f"{-bf16_error.median():.1%} (median over {len(bf16_error)} vectors) and at least {-bf16_error.max():.1%}")
+print(f"fp32 running sum: every error below 1e-5: {bool((fp32_error.abs() < 1e-5).all())}")
+exact = hidden_states.double().pow(2).mean(-1)
+torch_bf16 = hidden_states.bfloat16().pow(2).mean(-1).double()  # torch's reduction, bf16 in and out
+print(f"torch's own bf16 mean: every error below 1%: {bool(((torch_bf16 - exact) / exact).abs().max() < 0.01)}")
+near_300 = torch.tensor(300.0, dtype=torch.bfloat16)
+print(f"in bf16: 300 + 0.9 = {(near_300 + 0.9).item():g}, 300 + 1.9 = {(near_300 + 1.9).item():g}")
+
+# %% [markdown]
+# In fp16 the first square is already infinite, and so is the mean: the norm would divide the
+# vector by infinity. A bf16 running sum comes out too small on *every* vector, by several
+# percent (the median and the smallest error are printed above), so the norm's scale
+# 1/√mean(x²) would come out too large. The last line shows why: once the sum has grown to a few
+# hundred, bf16 numbers are 2 apart, and adding a square below 1 changes nothing. The fp32 sums
+# stay within 1e-5 of the exact ones, and torch's bf16 mean within 1%, because it sums in fp32
+# inside. Rather than rely on that, the exercise converts x to fp32 itself, normalizes, and
+# converts back only at the end.
+#
+# The model's module starts with the attention registry; the exercises fill in the pieces after it.
 
 # %%
 # export: model
@@ -524,17 +579,85 @@ def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torc
     )
 
 
+# %% [markdown]
+# ### Exercise 1.1 — RMSNorm
+#
+# `rms_norm(x, weight, eps)` takes `x` of any shape (..., hidden) and a `weight` of shape
+# (hidden,). Each vector along the last dimension is divided by its root-mean-square,
+# √(mean(x²) + eps), and the result is multiplied coordinate by coordinate by `weight`. `eps`
+# keeps a vector of zeros finite; it goes *inside* the root because that is the formula the
+# model was trained with (outside, it gives other numbers for small vectors, and the check has
+# some). Do the arithmetic in fp32 whatever `x`'s dtype is (the measurements above), and return
+# a tensor of `x`'s shape and dtype.
+
+# %%
+# export: model
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Scale each vector (last dimension) to unit root-mean-square, then by ``weight``."""
-    # BEGIN EXERCISE 1.1: return x / sqrt(mean(x²) + eps) * weight, computed in fp32, in x's dtype
-    # Hint 1: RMSNorm rescales each vector so its root-mean-square is 1, then scales each coordinate by a learned weight; small squares summed in bf16 lose precision, so the arithmetic is done in fp32.
-    # Hint 2: mean over the last dimension with keepdim=True; torch.rsqrt is 1/sqrt; unlike LayerNorm, do not subtract the mean.
+    # BEGIN EXERCISE 1.1: return each vector of x divided by its root-mean-square (eps inside the root), times weight; arithmetic in fp32, result in x's dtype
+    # Hint 1: RMSNorm gives every vector the same scale: it divides the vector by the square root of the mean of its squared coordinates (plus eps), then a learned weight rescales each coordinate. Unlike LayerNorm, nothing is subtracted.
+    # Hint 2: Convert x to float32 first; take the mean of the squares over the last dimension, keeping that dimension so it broadcasts; multiply by the reciprocal square root (torch.rsqrt) of that mean plus eps, then by the weight as float32, and convert back to x's dtype last.
     x32 = x.float()
     normed = x32 * torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + eps)
     return (normed * weight.float()).to(x.dtype)
     # END EXERCISE 1.1
 
 
+# %%
+# Check exercise 1.1
+checks.stage01.check_rms_norm(rms_norm)
+
+# %% [markdown]
+# RoPE needs two things: the angle tables, computed once per forward pass from the positions
+# (exercise 1.3), and the rotation itself, applied to q and k in every layer. The rotation comes
+# first. `rotate_half` maps each pair (a, b) = (x[i], x[i + D/2]) to (−b, a), the pair turned
+# by 90°.
+
+# %%
+# export: model
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """(x1, x2) -> (-x2, x1) on the two halves of the last dimension: a 90° turn of each pair."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([-x2, x1], dim=-1)
+
+
+# %% [markdown]
+# ### Exercise 1.2 — applying RoPE
+#
+# `apply_rope(x, cos, sin)` rotates q or k, shaped (B, H, S, D), by the angles whose cosines and
+# sines are given, shaped (B, S, D) (exercise 1.3 builds them): every head of a position turns by
+# the same angles. Each pair (a, b) = (x[i], x[i + D/2]) becomes (a·cos θ − b·sin θ, b·cos θ + a·sin θ).
+# Return a tensor of `x`'s shape and dtype, also when the tables come in another dtype (fp32
+# tables with a bf16 `x`).
+
+# %%
+# export: model
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate q or k, shaped (B, H, S, D), by the angles in cos/sin, shaped (B, S, D)."""
+    # BEGIN EXERCISE 1.2: return x with each pair (x[i], x[i + D/2]) turned by the angle whose cos and sin are given for its position
+    # Hint 1: RoPE turns each pair of coordinates (x[i], x[i + D/2]) in its own plane by the angle its position gives it; every head of a position turns by the same angles, and a turn changes a pair's direction, never its length.
+    # Hint 2: Multiply x by cos, multiply rotate_half of x by sin, and add; cos and sin are (B, S, D) while x is (B, H, S, D), so insert a size-1 head axis at dimension 1 first. Return the result in x's dtype.
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return (x * cos + rotate_half(x) * sin).to(x.dtype)
+    # END EXERCISE 1.2
+
+
+# %%
+# Check exercise 1.2
+checks.stage01.check_apply_rope(apply_rope)
+
+# %% [markdown]
+# ### Exercise 1.3 — the rotation angles (warm-up)
+#
+# `rope_cos_sin(positions, head_dim, theta)` builds the tables `apply_rope` reads. `positions` is
+# an integer tensor (B, S); the result is `(cos, sin)`, each float32 of shape (B, S, D) with
+# D = `head_dim`. Pair `i` (for i = 0 … D/2 − 1) turns at the frequency `theta^(−2i/D)`, so at
+# position p its angle is p · theta^(−2i/D): the first pairs turn fast, the last ones slowly.
+# Coordinates `i` and `i + D/2` form pair `i`, so both halves of a table hold the same D/2
+# angles, in the same order.
+
+# %%
+# export: model
 def rope_cos_sin(
     positions: torch.Tensor, head_dim: int, theta: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -543,29 +666,28 @@ def rope_cos_sin(
     Pair ``i`` (coordinates i and i + D/2) turns at frequency ``theta^(-2i/D)``; both halves
     of the returned tables repeat the same D/2 angles so they line up with ``rotate_half``.
     """
+    # BEGIN EXERCISE 1.3: return the cos and sin, (B, S, D) float32, of the angle position · theta^(-2i/D) of each pair i, repeated in both halves of the last dimension
+    # Hint 1: Every pair of coordinates has its own speed of rotation, from one radian per position for pair 0 down to nearly nothing for the last pair; the angle of a pair at a position is the position times that speed, and the two coordinates of a pair, i and i + D/2, share it.
+    # Hint 2: Make the D/2 frequencies from the even numbers 0, 2, … D−2 divided by D, as powers of theta with a minus sign; multiply the positions (as float, with a new last axis) by them to get (B, S, D/2) angles; concatenate the angles with themselves along the last axis; return their cosine and sine.
     exponents = torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32)
     inv_freq = 1.0 / (theta ** (exponents / head_dim))  # (D/2,)
     angles = positions.float()[..., None] * inv_freq  # (B, S, D/2)
     angles = torch.cat([angles, angles], dim=-1)  # (B, S, D)
     return angles.cos(), angles.sin()
+    # END EXERCISE 1.3
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    """(x1, x2) -> (-x2, x1) on the two halves of the last dimension: a 90° turn of each pair."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat([-x2, x1], dim=-1)
+# %%
+# Check exercise 1.3
+checks.stage01.check_rope_cos_sin(rope_cos_sin)
 
+# %% [markdown]
+# The projections and attention are given. `Linear` computes in its input's dtype; `RMSNorm`
+# holds the weight your `rms_norm` multiplies by; `Attention` projects x to q, k and v, rotates
+# q and k with your `apply_rope`, and calls the attention backend (and, from stage 04, the cache).
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate q or k, shaped (B, H, S, D), by the angles in cos/sin, shaped (B, S, D)."""
-    # BEGIN EXERCISE 1.2: return x rotated by the angles: x·cos + rotate_half(x)·sin
-    # Hint 1: RoPE turns each pair of coordinates (i, i + D/2) by an angle that grows with the position; a turn by θ of (a, b) is (a cos θ − b sin θ, b cos θ + a sin θ).
-    # Hint 2: cos and sin are (B, S, D) but x is (B, H, S, D): give them a head axis of size 1 to broadcast.
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    return (x * cos + rotate_half(x) * sin).to(x.dtype)
-    # END EXERCISE 1.2
-
-
+# %%
+# export: model
 class Linear(nn.Linear):
     """``nn.Linear`` that computes in its input's dtype, whatever dtype its weight is stored in.
 
@@ -633,6 +755,17 @@ class Attention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq, hq * d))
 
 
+# %% [markdown]
+# ### Exercise 1.4 — the SwiGLU MLP (warm-up)
+#
+# `MLP.forward(x)` takes hidden states (..., hidden_size) and returns the same shape. SwiGLU
+# projects x twice up to `intermediate_size` (1536 for SmolLM2), with `gate_proj` and with
+# `up_proj`; the gate goes through SiLU, silu(z) = z·sigmoid(z), and multiplies the up projection
+# feature by feature; `down_proj` brings the product back to `hidden_size`. The projections are
+# `Linear` layers: call them, and your code works for any dtype the weights are stored in.
+
+# %%
+# export: model
 class MLP(nn.Module):
     """SwiGLU: a SiLU-gated linear unit, ``down(silu(gate(x)) * up(x))``."""
 
@@ -643,9 +776,36 @@ class MLP(nn.Module):
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        # BEGIN EXERCISE 1.4: return down_proj of the SiLU-gated product of the gate and up projections of x
+        # Hint 1: SwiGLU lets one projection of x gate another: the gate passes through SiLU (z·sigmoid(z), near 0 for negative z and near z for positive z), so each feature of the up projection is let through, damped or blocked depending on the input.
+        # Hint 2: Project x with gate_proj and with up_proj; apply F.silu to the gate projection only; multiply the two elementwise; project that product with down_proj.
+        gate = F.silu(self.gate_proj(x))  # (..., intermediate)
+        return self.down_proj(gate * self.up_proj(x))
+        # END EXERCISE 1.4
 
 
+# %%
+# Check exercise 1.4
+checks.stage01.check_mlp(MLP)
+
+# %% [markdown]
+# ### Exercise 1.5 — the pre-norm residual block
+#
+# `DecoderLayer.forward(x, cos, sin, mask, cache, cache_start)` is one block of the diagram at
+# the top of this section. `x` is the *residual stream*, (B, S, hidden). The block has two
+# halves, in this order, and each one reads a normalized copy of the stream and *adds* its result
+# to the stream:
+#
+# 1. attention reads `input_layernorm` of the stream; call `self.self_attn` with that and with
+#    `cos, sin, mask, cache, cache_start` exactly as received (stage 03 passes masks through
+#    here, stage 04 a KV cache);
+# 2. the MLP reads `post_attention_layernorm` of the stream *as the attention half left it*.
+#
+# Return the stream after both additions. The stream itself is never normalized inside a block
+# ("pre-norm"; the original Transformer normalized after each addition, "post-norm").
+
+# %%
+# export: model
 class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, backend: str, layer_index: int):
         super().__init__()
@@ -655,10 +815,44 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(config)
 
     def forward(self, x, cos, sin, mask=None, cache=None, cache_start=None) -> torch.Tensor:
+        # BEGIN EXERCISE 1.5: return x after the attention half and then the MLP half, each reading its own norm of the stream and adding its output to it
+        # Hint 1: In a pre-norm block the residual stream x is only ever added to: each half reads a normalized copy of x and adds its output back onto x itself, so what earlier layers wrote reaches the end unchanged, and the MLP sees the stream after attention's contribution.
+        # Hint 2: First add to x the output of self_attn on input_layernorm(x), passing cos, sin, mask, cache and cache_start along; then add to that updated x the output of mlp on post_attention_layernorm of the updated x.
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache, cache_start)
         return x + self.mlp(self.post_attention_layernorm(x))
+        # END EXERCISE 1.5
 
 
+# %%
+# Check exercise 1.5
+checks.stage01.check_decoder_layer(DecoderLayer)
+
+# %% [markdown]
+# ### Exercise 1.6 — the forward pass
+#
+# `LlamaModel.forward(input_ids, positions, mask, cache, cache_start, last_position_only)` turns
+# token ids (B, S) into logits (B, S, vocab): the pipeline of the diagram above, embedding →
+# every block of `self.layers` in order → final norm `self.norm` → output head `self.lm_head`.
+# The rules:
+#
+# - `positions` (B, S) say where each token is, for RoPE. When none are given the tokens are the
+#   whole sequence (there is no cache then), so the positions are 0 … S−1 in every row — still
+#   shaped (B, S).
+# - The residual stream is computed in `self.activations`. RoPE's tables are made once per call
+#   from the positions and the config's `rope_theta` (every checkpoint picks its own base), and
+#   reach the layers in the stream's dtype.
+# - Every layer receives `mask`, `cache` and `cache_start` as the model was given them (stages 03
+#   and 04 rely on it).
+# - The logits are fp32 whatever `activations` is, and computed in fp32: the output head itself
+#   runs on fp32 input (a result rounded in bf16 and converted afterwards would keep bf16's
+#   coarse steps, and close candidates would tie).
+# - With `last_position_only` the result is (B, 1, vocab), and the norm and the output head run
+#   on the last position only: saving the head's work on the others is the point.
+#
+# The class is long because of loading; the exercise is `forward` only.
+
+# %%
+# export: model
 class LlamaModel(nn.Module):
     """Token ids (B, S) -> next-token logits (B, S, vocab), always fp32. Names match HuggingFace.
 
@@ -750,6 +944,9 @@ class LlamaModel(nn.Module):
         if cache is not None and (positions is None or cache_start is None):
             raise ValueError("with a cache, pass positions (B, S) and cache_start (the cache column "
                              "where these tokens go): the caller owns how far each sequence is")
+        # BEGIN EXERCISE 1.6: return the logits (fp32) of the ids: embeddings in self.activations, every layer with RoPE tables of the positions, the final norm and the output head, for the last position only if asked
+        # Hint 1: The model is a pipeline over one residual stream of shape (B, S, hidden): the embeddings go in, every block adds to it in turn, and only at the end is it normalized and projected onto the vocabulary. Positions enter only through RoPE's angle tables, built once and shared by every layer.
+        # Hint 2: Fill in default positions for every row when none are given; embed the ids in the compute dtype; make the angle tables once from the positions and the config's RoPE settings, in the stream's dtype; let each layer in turn update the stream, handing on what the model was given; if asked, cut the stream to its last position while it is still a sequence; normalize, and project onto the vocabulary in fp32.
         if positions is None:
             positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
         x = self.embed_tokens(input_ids).to(self.activations)  # (B, S, hidden)
@@ -760,25 +957,13 @@ class LlamaModel(nn.Module):
         if last_position_only:
             x = x[:, -1:]
         return self.lm_head(self.norm(x).float())  # (B, S, vocab), fp32
+        # END EXERCISE 1.6
 
-
-# %% [markdown]
-# ### Exercise 1.1 — RMSNorm
-#
-# Complete `rms_norm` in the cell above, run that cell again, then the check.
 
 # %%
-# Check exercise 1.1
-checks.stage01.check_rms_norm(rms_norm)
+# Check exercise 1.6
+checks.stage01.check_llama_forward(LlamaModel)
 
-# %% [markdown]
-# ### Exercise 1.2 — applying RoPE
-#
-# Complete `apply_rope`: q and k arrive as (B, H, S, D), the angle tables as (B, S, D).
-
-# %%
-# Check exercise 1.2
-checks.stage01.check_apply_rope(apply_rope)
 
 # %% [markdown]
 # Now load the real model. Building it on the `meta` device allocates nothing; the loaded
@@ -798,7 +983,8 @@ print(f"{n_params / 1e6:.1f} M parameters; output head shares the embedding's st
 # predicts token `t + 1`. Generation only needs the prediction after the last token. Greedy
 # decoding takes the highest-scoring token.
 #
-# ### Exercise 1.3 — the greedy step
+# The sampling module starts with what a request asks for: `SamplingParams`, one per request,
+# checked when it is made.
 
 # %%
 # export: sampling
@@ -884,21 +1070,30 @@ def params_per_row(params: SamplingParams | Sequence[SamplingParams], rows: int)
     return params
 
 
+# %% [markdown]
+# ### Exercise 1.7 — the greedy step
+#
+# `greedy_step(logits)` takes the model's logits, (B, S, vocab), and returns the next token of
+# each of the B sequences: a tensor of B integer token ids, shape (B,), each the highest-scoring
+# vocabulary entry of the prediction made after that sequence's last token.
+
+# %%
+# export: sampling
 def greedy_step(logits: torch.Tensor) -> torch.Tensor:
     """Next token ids (B,) from logits (B, S, vocab): the best-scoring token at the last position."""
-    # BEGIN EXERCISE 1.3: return, for each sequence, the id of the best token predicted after its last position
-    # Hint 1: A causal LM's logits at position t are its guess for token t + 1, so the next token comes from the last position only; greedy decoding takes the most likely one.
-    # Hint 2: position t predicts token t + 1, so only logits[:, -1] matters; argmax over the vocabulary axis.
+    # BEGIN EXERCISE 1.7: return, for each sequence, the id of the best token predicted after its last position
+    # Hint 1: A causal LM's logits at position t are its guess for token t + 1, so the next token is predicted by the last position alone; greedy decoding takes the most likely entry of that prediction.
+    # Hint 2: Select the last position along the sequence axis (dimension 1) of every row, then take the index (not the value) of the largest logit along the vocabulary axis.
     return logits[:, -1, :].argmax(dim=-1)
-    # END EXERCISE 1.3
+    # END EXERCISE 1.7
 
 
 # %%
-# Check exercise 1.3
+# Check exercise 1.7
 checks.stage01.check_greedy_step(greedy_step)
 
 # %% [markdown]
-# ### Exercise 1.4 — the streaming detokenizer
+# ### Streaming text
 #
 # Text should appear as it is generated, but one character can span several tokens. Decoding the
 # tokens of `"Year 2024: 世界 🤗!"` one at a time prints replacement characters (`�`) for the
@@ -908,8 +1103,15 @@ checks.stage01.check_greedy_step(greedy_step)
 print([tokenizer.decode([i]) for i in ids])
 
 # %% [markdown]
-# Complete `StreamingDetokenizer.push`: it must return only the text that the new token
-# *completes*, holding back the bytes of an unfinished character.
+# ### Exercise 1.8 — the streaming detokenizer
+#
+# Complete `StreamingDetokenizer.push(token_id)`: it is called once per generated token and
+# returns a `str`, only the text that this token *completes*, holding back the bytes of an
+# unfinished character until the tokens that finish it arrive (so it may return `""`). Pushing
+# every token of a text and then calling `flush()` must give back exactly that text. A model can
+# also generate bytes that never become a character: those show as U+FFFD (`�`), the way
+# `tokenizer.decode` shows them, and the text after them keeps coming; an unfinished character
+# left when the answer ends comes out of `flush()` as U+FFFD too.
 
 # %%
 # export: tokenizer
@@ -930,11 +1132,11 @@ class StreamingDetokenizer:
 
     def push(self, token_id: int) -> str:
         """Add one token; return the text it completes (possibly empty)."""
-        # BEGIN EXERCISE 1.4: return the text completed by this token's bytes
-        # Hint 1: One character can span several tokens (UTF-8 uses up to four bytes), so bytes must wait until they make a whole character before they become text.
-        # Hint 2: self.tokenizer.token_bytes gives a token's bytes; self._utf8 is an incremental UTF-8 decoder that keeps an unfinished character for the next call.
+        # BEGIN EXERCISE 1.8: return the text completed by this token's bytes
+        # Hint 1: One character can take up to four UTF-8 bytes, and byte-level BPE may cut between them, so a token's bytes must wait until they complete whole characters before they become text.
+        # Hint 2: Ask the tokenizer for the raw bytes this token stands for (token_bytes) and feed them to the incremental UTF-8 decoder kept in self._utf8: it returns only complete characters and keeps an unfinished one for the next call.
         return self._utf8.decode(self.tokenizer.token_bytes(token_id))
-        # END EXERCISE 1.4
+        # END EXERCISE 1.8
 
     def flush(self) -> str:
         """End of stream: an incomplete character left over is shown as U+FFFD, not dropped."""
@@ -942,7 +1144,7 @@ class StreamingDetokenizer:
 
 
 # %%
-# Check exercise 1.4
+# Check exercise 1.8
 checks.stage01.check_streaming_detokenizer(StreamingDetokenizer, tokenizer)
 
 # %% [markdown]
@@ -962,7 +1164,7 @@ checks.stage01.check_streaming_detokenizer(StreamingDetokenizer, tokenizer)
 # renormalises the rest. The order and the exact rules are the ones HuggingFace `transformers`
 # uses, so the course's tests can compare our filters with theirs on the real model's logits.
 #
-# ### Exercise 1.5 — the repetition penalty (warm-up)
+# ### Exercise 1.9 — the repetition penalty (warm-up)
 #
 # The CTRL paper's rule: a token that already occurs in the sequence has its logit *divided* by
 # the penalty if it is positive and *multiplied* by it if it is negative, so both move down. A
@@ -975,21 +1177,21 @@ def apply_repetition_penalty(logits: torch.Tensor, history: torch.Tensor, penalt
 
     Returns a new tensor: the caller's logits stay as they were.
     """
-    # BEGIN EXERCISE 1.5: return a copy of logits where each token id in history has its logit divided by penalty if positive, multiplied by it otherwise
-    # Hint 1: A repeated token should become less likely whichever sign its logit has: shrinking a positive logit and growing a negative one's magnitude both lower it.
-    # Hint 2: gather the logits of the history's ids, change each with torch.where on its sign, and scatter them back into a copy.
+    # BEGIN EXERCISE 1.9: return a copy of logits where each token id in history has its logit divided by penalty if positive, multiplied by it otherwise
+    # Hint 1: A repeated token should become less likely whichever sign its logit has: shrinking a positive logit towards 0 and pushing a negative one further from 0 both lower it. A token seen three times is penalized once, like a token seen once.
+    # Hint 2: Read the logits at the history's ids (gather), compute their penalized values with torch.where on their sign, and write them into a new tensor with the out-of-place scatter; a repeated id just writes the same value twice.
     seen = logits.gather(-1, history)
     seen = torch.where(seen > 0, seen / penalty, seen * penalty)
     return logits.scatter(-1, history, seen)
-    # END EXERCISE 1.5
+    # END EXERCISE 1.9
 
 
 # %%
-# Check exercise 1.5
+# Check exercise 1.9
 checks.stage01.check_repetition_penalty(apply_repetition_penalty)
 
 # %% [markdown]
-# ### Exercise 1.6 — top-k and top-p
+# ### Exercise 1.10 — top-k and top-p
 #
 # Both filters take logits of shape (B, vocab) and return a *new* tensor of the same shape with
 # the removed tokens at −∞ (the caller's logits stay as they were). Each row is filtered on its
@@ -1009,9 +1211,9 @@ checks.stage01.check_repetition_penalty(apply_repetition_penalty)
 # export: sampling
 def filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
     """``logits`` (B, vocab) with every token outside the top-k and then the top-p set at −inf."""
-    # BEGIN EXERCISE 1.6: set to -inf the logits of tokens below the k-th best (if top_k > 0), then of tokens whose better-ranked tokens already hold top_p of the probability (if top_p < 1)
-    # Hint 1: Both filters decide which tokens may be sampled: top-k by rank, top-p by the cumulative probability of the better-ranked tokens; removed tokens get −∞ so softmax gives them 0.
-    # Hint 2: top-k: compare with the k-th largest value of each row (topk); top-p: sort descending, softmax in float64, cumulative sum minus each token's own probability, drop where that reaches p, scatter the decision back.
+    # BEGIN EXERCISE 1.10: set to -inf the logits of tokens below the k-th best (if top_k > 0), then of tokens whose better-ranked tokens already hold top_p of the probability (if top_p < 1)
+    # Hint 1: Both filters decide which tokens may be drawn: top-k by rank, top-p by how much probability the better-ranked tokens already hold; a removed token gets −∞, so the softmax gives it 0 and shares its probability among the others.
+    # Hint 2: Top-k: each row's k-th best value is a threshold, and every token strictly below it goes. Top-p: rank each row's tokens, turn the ranked logits into probabilities in float64, find for every token how much probability the tokens ranked above it hold, mark those where that already reaches p, and carry the marks from ranked order back to token order before removing them.
     if 0 < top_k < logits.shape[-1]:
         kth_best = logits.topk(top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth_best, float("-inf"))
@@ -1024,11 +1226,11 @@ def filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.
         drop = (above >= top_p).scatter(-1, order, above >= top_p)
         logits = logits.masked_fill(drop, float("-inf"))
     return logits
-    # END EXERCISE 1.6
+    # END EXERCISE 1.10
 
 
 # %%
-# Check exercise 1.6
+# Check exercise 1.10
 checks.stage01.check_top_k_top_p(filter_top_k_top_p)
 
 # %% [markdown]
@@ -1036,7 +1238,7 @@ checks.stage01.check_top_k_top_p(filter_top_k_top_p)
 # its own `SamplingParams` and its own `torch.Generator`, seeded from `SamplingParams.seed`: a
 # request's draws then depend on its seed alone, never on which other requests share the batch
 # (stage 06 relies on this when it batches strangers together). When every row is plain greedy,
-# the pick is your `greedy_step` from exercise 1.3, once for the whole batch.
+# the pick is your `greedy_step` from exercise 1.7, once for the whole batch.
 
 # %%
 # export: sampling
@@ -1101,6 +1303,7 @@ ax.set_xticks(range(20), labels, rotation=60, fontsize=8)
 ax.set_yscale("log")
 ax.axvline(9.5, color="black", linestyle="--", linewidth=1)
 ax.text(9.6, probs.max(), " top-k = 10 cuts here", fontsize=8, va="top")
+ax.set_xlabel("token")
 ax.set_ylabel("probability at temperature 0.8")
 ax.set_title("First answer token: kept by top-p 0.6 (green), by top-k 10 only (blue), neither (gray)",
              fontsize=9)
@@ -1183,6 +1386,28 @@ def stop_token_ids(config: ModelConfig, tokenizer: Tokenizer) -> set[int]:
     return ids
 
 
+# %% [markdown]
+# ### Exercise 1.11 — the stop rules
+#
+# Every loop of the course feeds each generated token to an `OutputStream`, one per sequence.
+# Complete `OutputStream.push(token_id)`, which returns `True` once the sequence is finished and
+# `False` before. The rules, in this order:
+#
+# 1. a token in `self.stop_ids` (the end-of-sequence tokens; empty with `ignore_eos`) finishes
+#    the sequence with reason `"eos"`. It is *not* part of the answer: not in `token_ids`, not in
+#    the text;
+# 2. any other token is part of the answer (`self.result.token_ids`), and its text streams out
+#    (into `result.text` and to `on_text`) as soon as it is safe to show: whole characters only
+#    (exercise 1.8), and nothing that might be the start of a stop string;
+# 3. a completed stop string finishes the sequence with reason `"stop"`, the stop string and
+#    anything after it cut; otherwise, holding `max_new_tokens` tokens finishes it with `"length"`.
+#
+# The pieces are already in the class: the detokenizer, the stop-string filter (`StopStrings`,
+# above), `_emit` and `_finish`. Every way of finishing goes through `_finish`, which releases
+# the text still held back (except after a stop string) and marks the stream finished.
+
+# %%
+# export: output
 class OutputStream:
     """One sequence's generated tokens -> streamed text, stop rules and the final result.
 
@@ -1219,6 +1444,9 @@ class OutputStream:
 
     def push(self, token_id: int) -> bool:
         """Add one generated token; return True once the sequence is finished."""
+        # BEGIN EXERCISE 1.11: add one token by the stop rules (a stop token finishes without being kept; a stop string or max_new_tokens finishes after it), stream its text, and return whether the sequence is finished
+        # Hint 1: The checks run in a fixed order: an end-of-sequence token ends the answer and is not part of it; any other token is part of the answer, its text may complete a stop string (cut, with everything after it), and the answer also ends when it holds max_new_tokens tokens.
+        # Hint 2: If the id is one of self.stop_ids, finish with "eos" and return at once; otherwise append it to the result's token ids, pass its text through self.detokenizer and then self.stops, emit the safe part, and finish with "stop" if a stop string was reached, else with "length" when the count of kept tokens reaches self.max_new_tokens; finally report whether the stream has finished.
         if token_id in self.stop_ids:
             self._finish("eos")
             return True
@@ -1230,6 +1458,12 @@ class OutputStream:
         elif len(self.result.token_ids) >= self.max_new_tokens:
             self._finish("length")
         return self.finished
+        # END EXERCISE 1.11
+
+
+# %%
+# Check exercise 1.11
+checks.stage01.check_output_stream(OutputStream, tokenizer)
 
 
 # %% [markdown]
@@ -1238,8 +1472,11 @@ class OutputStream:
 # `next()`, and `collect`, which times each step and feeds its tokens to the output streams
 # until all have finished. A new loop (with a KV cache in stage 04, a compiled step after it) is
 # then only a new step iterator; stage 06's engine, whose batch changes at every step, keeps the
-# output streams and replaces `collect` with its scheduler. Positions are always passed to the model explicitly: the loop knows how far
-# each sequence is, the model never guesses.
+# output streams and replaces `collect` with its scheduler. Positions are always passed to the
+# model explicitly: the loop knows how far each sequence is, the model never guesses.
+#
+# The first part is given: the request checks, `collect`, and `run_batch`, which makes a batch
+# loop from a step iterator (stages 03 and 04 use it). The step iterator is yours.
 
 # %%
 # export: generate
@@ -1343,11 +1580,38 @@ def run_batch(
     return collect(steps(model, prompts, params), streams)
 
 
+# %% [markdown]
+# ### Exercise 1.12 — the generate loop
+#
+# `skeleton_steps(model, prompt_ids, params)` is the step iterator of this stage's loop: a Python
+# generator that yields the next token of the sequence, as a list with one token id (a batch of
+# one; later loops yield one id per sequence), `params.max_new_tokens` times and then ends. The
+# rules:
+#
+# - every step runs the model on the *whole* sequence so far — the prompt, then every token
+#   yielded before — as a (1, S) tensor of ids on the model's device, with the positions
+#   0 … S−1 passed explicitly, also shaped (1, S);
+# - the next token is `sample_next`'s pick (above; it takes one entry per sequence), drawn with
+#   the request's generator (made before the region, the same at every step) and given the whole
+#   sequence so far as history (the repetition penalty needs it);
+# - only new tokens are yielded, never the prompt, and the loop never stops early by itself:
+#   end-of-sequence tokens and stop strings are the output streams' job, and `collect` closes
+#   the iterator when every stream has finished.
+#
+# It is naive on purpose: every step pays for the whole sequence again — and for the output head
+# at every position, although only the last position's logits are used (`last_position_only`
+# would skip the others; the timing table below shows the head's large output).
+
+# %%
+# export: generate
 @torch.inference_mode()
 def skeleton_steps(model: LlamaModel, prompt_ids: list[int], params: SamplingParams) -> Iterator[list[int]]:
     """Next tokens of one sequence, recomputing the whole sequence at every step (no cache)."""
     device = model.embed_tokens.weight.device
     generators = [make_generator(params.seed, device)]
+    # BEGIN EXERCISE 1.12: yield the next token, as a one-element list, max_new_tokens times, each picked from a model run over the whole sequence so far
+    # Hint 1: A decoder predicts one token at a time, and each prediction becomes part of the input of the next. Without a cache every step feeds the model the entire sequence (prompt plus everything generated) and uses only what its last position predicts.
+    # Hint 2: Keep a list of ids that starts as a copy of the prompt; for each of max_new_tokens steps build a (1, S) tensor of the ids and a (1, S) tensor of positions 0 … S−1 on the model's device, call the model, pick with sample_next (params, generators and the ids as history, each wrapped for a batch of one), add the pick to the ids and yield it.
     ids = list(prompt_ids)
     for _ in range(params.max_new_tokens):
         positions = torch.arange(len(ids), device=device)[None]  # (1, S): 0 … S-1
@@ -1355,8 +1619,19 @@ def skeleton_steps(model: LlamaModel, prompt_ids: list[int], params: SamplingPar
         token = sample_next(logits, [params], generators, [ids])
         ids += token
         yield token
+    # END EXERCISE 1.12
 
 
+# %%
+# Check exercise 1.12
+checks.stage01.check_skeleton_steps(skeleton_steps, model)
+
+# %% [markdown]
+# `generate` puts the parts together: it checks the request, opens the output stream and lets
+# `collect` drive your step iterator.
+
+# %%
+# export: generate
 def generate(
     model: LlamaModel,
     tokenizer: Tokenizer,

@@ -35,7 +35,10 @@ verify_committed_stages(before="03")
 import matplotlib.pyplot as plt
 import torch
 import torch.nn.functional as F
+from matplotlib.colors import ListedColormap
+from matplotlib.ticker import MaxNLocator
 
+import aie_lessons.attention  # noqa: F401 - registers your stage-02 attention as the "manual" backend
 from aie_lessons import checks
 from aie_lessons.generate import generate, run_batch
 from aie_lessons.output import GenerationResult
@@ -51,14 +54,21 @@ tokenizer = Tokenizer.from_pretrained(MODEL_DIR)
 
 
 def show_masks(masks: dict[str, torch.Tensor]) -> None:
-    """Heatmaps of boolean masks: yellow = may attend."""
-    fig, axes = plt.subplots(1, len(masks), figsize=(3.2 * len(masks), 3.2))
-    for ax, (title, mask) in zip(axes if len(masks) > 1 else [axes], masks.items()):
-        ax.imshow(mask.int(), cmap="viridis", vmin=0, vmax=1)
+    """Boolean masks side by side, one colour for "may attend" and one for "masked"."""
+    fig, axes = plt.subplots(1, len(masks), figsize=(3.2 * len(masks) + 1.2, 3.4), squeeze=False,
+                             layout="constrained")
+    for ax, (title, mask) in zip(axes[0], masks.items()):
+        image = ax.imshow(mask.int(), cmap=ListedColormap(["#30123b", "#fde725"]), vmin=-0.5, vmax=1.5)
         ax.set_title(title, fontsize=9)
         ax.set_xlabel("key position")
         ax.set_ylabel("query")
-    plt.tight_layout()
+        for axis, size in ((ax.xaxis, mask.shape[1]), (ax.yaxis, mask.shape[0])):
+            if size <= 10:  # every position labelled
+                axis.set_ticks(range(size))
+            else:
+                axis.set_major_locator(MaxNLocator(integer=True))
+    bar = fig.colorbar(image, ax=axes[0].tolist(), ticks=[0, 1], shrink=0.8)
+    bar.ax.set_yticklabels(["masked", "may attend"])
     plt.show()
 
 
@@ -70,8 +80,6 @@ def show_masks(masks: dict[str, torch.Tensor]) -> None:
 # `T − S + i` and sees keys `0 … T − S + i`. The diagonal slides to the bottom-right corner.
 # (Aligning it to the top-left instead is the classic bug: the new token would see only the
 # first few cached tokens.)
-#
-# ### Exercise 3.1 — causal mask for q_len queries over kv_len keys
 
 # %%
 # export: masks
@@ -82,11 +90,27 @@ from __future__ import annotations
 import torch
 
 
+def to_additive(mask: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The other convention: 0 where attention is allowed, a huge negative number where not."""
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(
+        ~mask, torch.finfo(dtype).min
+    )
+
+
+# %% [markdown]
+# ### Exercise 3.1 — causal mask for q_len queries over kv_len keys
+#
+# `causal_mask(q_len, kv_len, device=None)` returns a boolean `(q_len, kv_len)` tensor on
+# `device`: entry `[i, j]` is True when query `i`, which sits at position `kv_len − q_len + i`,
+# may see key `j` (its own position and earlier ones), False for keys in its future.
+
+# %%
+# export: masks
 def causal_mask(q_len: int, kv_len: int, device: torch.device | str | None = None) -> torch.Tensor:
     """(q_len, kv_len) bool, True where query i (position kv_len - q_len + i) may see key j."""
-    # BEGIN EXERCISE 3.1: True on and below the diagonal that ends in the bottom-right corner
-    # Hint 1: A query may attend to itself and to earlier keys; when queries are the last q_len of kv_len positions, the triangle is anchored at the bottom-right corner.
-    # Hint 2: torch.ones(q_len, kv_len, dtype=torch.bool).tril(diagonal) with diagonal = kv_len - q_len.
+    # BEGIN EXERCISE 3.1: the (q_len, kv_len) boolean mask, True where query i (at position kv_len − q_len + i) may see key j
+    # Hint 1: A query sees itself and the past; because the queries are the last q_len positions, the boundary is a diagonal that ends in the bottom-right corner, not one that starts in the top-left.
+    # Hint 2: Start from an all-True boolean matrix and keep its lower triangle, with the diagonal shifted right by the number of keys that come before the first query.
     return torch.ones(q_len, kv_len, dtype=torch.bool, device=device).tril(kv_len - q_len)
     # END EXERCISE 3.1
 
@@ -107,11 +131,11 @@ show_masks({"no cache: 8 queries, 8 keys": causal_mask(8, 8),
 # every sequence ends in the same column: the next token of each is predicted at position `-1`,
 # and new tokens are appended on the right for all of them at once.
 #
-# Padding must be invisible. Two things would give it away: attention to pad keys (the mask's
-# job), and *positions*: RoPE must number each prompt's real tokens 0, 1, 2, … whatever padding
-# precedes them, or the same prompt would be encoded differently depending on its neighbours.
-#
-# ### Exercise 3.2 — left-pad a batch
+# Padding must be invisible, which is the mask's job (section 3). The batch also carries the
+# RoPE *positions* of its tokens, and we count them per sequence: each prompt's first real token
+# is position 0, whatever padding precedes it. RoPE only sees distances, so for one forward pass
+# this hardly matters; section 6 measures why it matters anyway — for the cache of stage 04, for
+# models with absolute positions, and for exact agreement with a prompt run alone.
 
 # %%
 # export: padded_batch
@@ -132,14 +156,26 @@ class PaddedBatch:
     positions: torch.Tensor  # (B, T) RoPE positions: 0 at each sequence's first real token
 
 
+# %% [markdown]
+# ### Exercise 3.2 — left-pad a batch
+#
+# `left_pad(sequences, pad_id, device="cpu")` takes lists of token ids of different lengths and
+# returns a `PaddedBatch` of three `(B, T)` tensors, T the longest length: `input_ids` with each
+# sequence in the *last* columns of its row and `pad_id` before it; `is_real`, True exactly on the
+# sequence's tokens; `positions`, integers (`torch.long`) 0, 1, 2, … over each row's real tokens
+# and 0 on its padding (never negative, never floats: positions index RoPE's tables). All three
+# end up on `device` (the given last line does that).
+
+# %%
+# export: padded_batch
 def left_pad(sequences: list[list[int]], pad_id: int, device: torch.device | str = "cpu") -> PaddedBatch:
     """Pad sequences on the left to the longest length; number real tokens from 0."""
     width = max(len(s) for s in sequences)
     input_ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
     is_real = torch.zeros(len(sequences), width, dtype=torch.bool)
-    # BEGIN EXERCISE 3.2: put each sequence at the right end of its row, mark it real, and count positions over real tokens only
-    # Hint 1: Left padding lines up every sequence's last token in the last column, so one step predicts every row's next token; pad tokens must not count as positions.
-    # Hint 2: row b gets the sequence in columns width - len(seq) onwards; positions = is_real.cumsum(-1) - 1, clamped at 0.
+    # BEGIN EXERCISE 3.2: fill input_ids and is_real with each sequence at the right end of its row, and positions counting each row's real tokens from 0 (0 on padding)
+    # Hint 1: Left padding lines up every sequence's last token in the last column, so one step predicts every row's next token; a position counts the real tokens before it, padding excluded.
+    # Hint 2: Fill row by row, each sequence against the right edge; a token's position is the number of real tokens before it in its row, which one cumulative operation over the real flags gives for every row at once (padding then needs its own rule).
     for row, sequence in enumerate(sequences):
         input_ids[row, width - len(sequence):] = torch.tensor(sequence, dtype=torch.long)
         is_real[row, width - len(sequence):] = True
@@ -162,8 +198,8 @@ prompts = [tokenizer.encode_chat(q) for q in (
 batch = left_pad(prompts, pad_id=tokenizer.eos_token_id)
 print("lengths:", [len(p) for p in prompts], "→ padded to", tuple(batch.input_ids.shape))
 print("row 3, last 8 columns — ids:", batch.input_ids[3, -8:].tolist())
-print("row 3, first 6 columns — real:", batch.is_real[3, :6].tolist(),
-      " positions:", batch.positions[3, :6].tolist())
+print("row 3, first 9 columns — real:", batch.is_real[3, :9].int().tolist(),
+      " positions:", batch.positions[3, :9].tolist())
 
 # %% [markdown]
 # ## 3. One mask for the batch
@@ -178,6 +214,13 @@ print("row 3, first 6 columns — real:", batch.is_real[3, :6].tolist(),
 # see at least itself.
 #
 # ### Exercise 3.3 — the batch's attention mask
+#
+# `attention_mask(is_real, q_len)` takes `is_real` `(B, T)` (True on real tokens) and the number
+# of queries `q_len ≤ T`, the last `q_len` of the T positions (T of them in a prefill, 1 when
+# decoding with a cache). It returns a boolean `(B, 1, q_len, T)` mask: key `j` is visible to
+# query `i` of row `b` when it is causal for that query *and* real in row `b`; besides, every
+# query may always see its own position. Use `causal_mask` from exercise 3.1, and create the mask
+# on `is_real`'s device (a GPU in later stages).
 
 # %%
 # export: masks
@@ -187,9 +230,9 @@ def attention_mask(is_real: torch.Tensor, q_len: int) -> torch.Tensor:
     ``is_real`` (B, T) marks real keys; the q_len queries are the last q_len of the T positions.
     """
     kv_len = is_real.shape[1]
-    # BEGIN EXERCISE 3.3: combine causal_mask with is_real (keys), then let each query see its own position
-    # Hint 1: A key is visible if it is causal for the query and real (not padding); a query that would see no key at all needs at least itself, or softmax divides by zero.
-    # Hint 2: causal[None] & is_real[:, None, :] is (B, S, T); query i's own key is column kv_len - q_len + i; add the head axis at the end with [:, None].
+    # BEGIN EXERCISE 3.3: the (B, 1, q_len, T) mask: causal and real keys, and every query's own position
+    # Hint 1: Visibility is an AND of two rules (not in the future, not padding), then an OR with "is my own position", so that no row of the softmax is empty.
+    # Hint 2: Broadcast the causal mask (S, T) against the real flags of the keys (B, 1, T) with a logical and; compare a range of key columns with the queries' positions (offset by T − q_len) for the diagonal, or it in, and add the head axis.
     causal = causal_mask(q_len, kv_len, is_real.device)
     mask = causal[None] & is_real[:, None, :]  # (B, S, T)
     keys = torch.arange(kv_len, device=is_real.device)
@@ -197,13 +240,6 @@ def attention_mask(is_real: torch.Tensor, q_len: int) -> torch.Tensor:
     itself = keys[None, :] == queries[:, None]  # (S, T)
     return (mask | itself)[:, None]  # (B, 1, S, T)
     # END EXERCISE 3.3
-
-
-def to_additive(mask: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """The other convention: 0 where attention is allowed, a huge negative number where not."""
-    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(
-        ~mask, torch.finfo(dtype).min
-    )
 
 
 # %%
@@ -299,9 +335,140 @@ print("every prompt gets exactly the tokens it gets alone:",
       all(t.token_ids == a.token_ids for t, a in zip(together, alone)))
 
 # %% [markdown]
-# Try it: set every entry of `batch.positions` to `torch.arange(T)` (ignoring padding), or drop
-# `is_real` from the mask, and the padded prompts' answers change.
+# ## 6. Why positions are counted per sequence
 #
+# Numbering the padded rows with `torch.arange(T)` instead — padding included, so a prompt
+# behind p pads starts at position p — looks like it should break everything. For one forward
+# pass it does not, and it is worth seeing why before seeing what it *does* break.
+#
+# **It does not change this model's answers.** RoPE makes a score depend on the distance
+# between query and key only (stage 02), and shifting every real token of a row by the same p
+# keeps every distance. Compare the last position's logits of each prompt under both numberings,
+# and each with the prompt run alone:
+
+# %%
+T = batch.input_ids.shape[1]
+counted_from_zero = torch.arange(T).expand_as(batch.input_ids)
+with torch.inference_mode():
+    per_sequence = model(batch.input_ids, batch.positions, mask)
+    arange = model(batch.input_ids, counted_from_zero, mask)
+    by_itself = [model(torch.tensor([p]))[0] for p in prompts]
+numbering = (per_sequence[:, -1] - arange[:, -1]).abs().max().item()
+print(f"last-position logits, per-sequence vs arange numbering: max |Δ| = {numbering:.3f}")
+print("same greedy next token under both:", per_sequence[:, -1].argmax(-1).tolist() == arange[:, -1].argmax(-1).tolist())
+for name, logits in (("per-sequence", per_sequence), ("arange", arange)):
+    gap = max((logits[b, -len(p):] - by_itself[b]).abs().max().item() for b, p in enumerate(prompts))
+    print(f"{name:12} numbering vs each prompt alone, every real position: max |Δ| = {gap:.3f}")
+
+# %% [markdown]
+# All three differences print as 0.000, the size of fp32 rounding, and the greedy tokens are
+# the same. The angles differ, though: a prompt behind p pads is rotated by `p` more at every
+# position. With per-sequence numbering its real tokens get *the very same* RoPE tables as when
+# it runs alone, so what remains of the difference is the summation order of batched matrix
+# products; with `arange` it computes a different rotation that happens to give nearly the same
+# scores:
+
+# %%
+from aie_lessons.model import rope_cos_sin
+
+config = model.config
+for name, positions in (("per-sequence", batch.positions), ("arange", counted_from_zero)):
+    cos_batch, _ = rope_cos_sin(positions, config.head_dim, config.rope_theta)
+    same = all(torch.equal(cos_batch[b, -len(p):], rope_cos_sin(torch.arange(len(p))[None], config.head_dim, config.rope_theta)[0][0])
+               for b, p in enumerate(prompts))
+    print(f"{name:12} numbering: every prompt's RoPE angles equal those it gets alone: {same}")
+
+# %% [markdown]
+# **Prefill and decode must agree once there is a cache.** In stage 04 the prompt is run once
+# (prefill) and its rotated keys are kept; each new token is then run alone, at the position that
+# continues *its own* sequence: `len(prompt)`, `len(prompt) + 1`, … That is the only count that
+# does not depend on which other prompts share the batch. If the prefill had numbered the prompt
+# with `arange(T)`, the new token's distance to every cached key would be off by that row's
+# padding. No cache is needed to see it: generate again, numbering the prompt columns with
+# `arange(T)` and every new token by its own count, as such a cache would:
+
+# %%
+@torch.inference_mode()
+def mixed_numbering_tokens(prompts: list[list[int]], steps: int) -> list[list[int]]:
+    """Greedy tokens with the prompts numbered 0 … T−1 (padding counted) but each new token at
+    its own sequence's count: what a cache prefilled with arange(T) would give in decode."""
+    padded = left_pad(prompts, pad_id=0)
+    width = padded.input_ids.shape[1]
+    ids, real = padded.input_ids, padded.is_real
+    prompt_positions = torch.arange(width).expand_as(ids)
+    new_positions = torch.tensor([[len(p)] for p in prompts])
+    for step in range(steps):
+        positions = torch.cat([prompt_positions, new_positions + torch.arange(step)], dim=1)
+        logits = model(ids, positions, attention_mask(real, ids.shape[1]), last_position_only=True)
+        ids = torch.cat([ids, logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+        real = torch.cat([real, torch.ones(len(prompts), 1, dtype=torch.bool)], dim=1)
+    return ids[:, width:].tolist()
+
+
+mixed_tokens = mixed_numbering_tokens(prompts, params.max_new_tokens)
+print("padding per prompt:", [T - len(p) for p in prompts])
+for tokens, a in zip(mixed_tokens, alone):
+    if tokenizer.eos_token_id in tokens:  # stop where generation would have stopped
+        tokens = tokens[: tokens.index(tokenizer.eos_token_id)]
+    differ = [step for step, (x, y) in enumerate(zip(tokens, a.token_ids)) if x != y]
+    first = differ[0] if differ else None
+    print(f"same as alone: {tokens == a.token_ids!s:5} (first different token: {first})  {tokenizer.decode(tokens)!r}")
+
+# %% [markdown]
+# The prompt with no padding (2) is untouched; the padded ones part from their answer alone at
+# token 6, 5 and 3, because their new tokens are numbered as if the prompt started p positions
+# later than it does: the distance to every prompt token is off by p.
+#
+# **Models with absolute positions would change at once.** GPT-2 and the original Transformer do
+# not rotate q and k: they *add* a vector that depends on the position to each token's embedding.
+# Then the numbers themselves matter, not only their differences, and shifting a prompt by its
+# padding changes what the model sees. Give our model such a table (sinusoidal, scaled to the
+# embeddings' size) and compare the two numberings again:
+
+# %%
+def absolute_positions(positions: torch.Tensor) -> torch.utils.hooks.RemovableHandle:
+    """Make the model add a sinusoidal vector per position to every embedding, as GPT-2 adds a
+    learned one; remove the returned handle to undo it."""
+    width = config.hidden_size
+    angles = positions[..., None] * 10000 ** (-torch.arange(0, width, 2) / width)
+    table = torch.cat([angles.sin(), angles.cos()], dim=-1) * model.embed_tokens.weight.std()
+    return model.embed_tokens.register_forward_hook(lambda module, inputs, out: out + table)
+
+
+with torch.inference_mode():
+    last = {}
+    for name, positions in (("per-sequence", batch.positions), ("arange", counted_from_zero)):
+        hook = absolute_positions(positions)
+        last[name] = model(batch.input_ids, positions, mask)[:, -1]
+        hook.remove()
+shift = (last["per-sequence"] - last["arange"]).abs().max(-1).values
+print("absolute positions, last-position logits, per-sequence vs arange, max |Δ| per prompt:",
+      [round(x, 1) for x in shift.tolist()])
+
+# %% [markdown]
+# With absolute positions, every padded prompt's last logits move by 4.6 to 5.6; only the
+# unpadded prompt (2) keeps its logits. Counting per sequence is what makes a prompt's
+# computation independent of its neighbours for every kind of position encoding, and it is what
+# the cache of stage 04 and the scheduler of stage 06 (which moves sequences between batches)
+# rely on.
+#
+# ## 7. Your stage-02 attention runs the batch
+#
+# The model calls its attention through a named backend. Switch it to `"manual"`, the
+# `manual_attention` you wrote in stage 02, with its grouped queries and its `(B, 1, S, T)`
+# padding masks, and generate the same batch again:
+
+# %%
+model.set_attention_backend("manual")
+with torch.inference_mode():
+    manual_logits = model(batch.input_ids, batch.positions, mask)
+yours = generate_batch(model, tokenizer, prompts, params)
+model.set_attention_backend("sdpa")
+print("batch logits, manual vs sdpa within 1e-3:", (manual_logits - per_sequence).abs().max().item() < 1e-3)
+print("same tokens as with sdpa for every prompt:",
+      all(m.token_ids == t.token_ids for m, t in zip(yours, together)))
+
+# %% [markdown]
 # ## Summary
 #
 # | mask | shape | rule |
@@ -309,5 +476,8 @@ print("every prompt gets exactly the tokens it gets alone:",
 # | `causal_mask(S, T)` | (S, T) | query i sees keys ≤ T − S + i |
 # | `attention_mask(is_real, S)` | (B, 1, S, T) | causal ∧ key is real, ∨ itself |
 # | `to_additive(mask)` | same | 0 / most negative float, added to scores |
+#
+# Positions count each sequence's real tokens from 0, so that a prompt's computation is the one
+# it gets alone, a cache can continue it, and the batch it sits in does not matter.
 #
 # Next, stage 04: keep the keys and values of past positions — the KV cache.

@@ -33,6 +33,7 @@ from aie_lessons.course.progress import verify_committed_stages
 verify_committed_stages(before="04")
 
 # %%
+import statistics
 import time
 
 import matplotlib.pyplot as plt
@@ -63,7 +64,9 @@ config = model.config
 #
 # **bytes = 2 (k and v) × layers × kv_heads × head_dim × tokens × batch × bytes per number**
 #
-# Grouped-query attention pays off here: with 3 kv heads instead of 9 the cache is 3× smaller.
+# Grouped-query attention pays off here: the cache holds the kv heads only, so sharing each of
+# them among several query heads (the group size is printed below) shrinks the cache as many
+# times.
 
 # %%
 # export: kv_cache
@@ -85,24 +88,31 @@ def kv_cache_bytes(config: ModelConfig, tokens: int, batch: int, dtype: torch.dt
 
 
 # %%
+weights_bytes = sum(p.nbytes for p in model.parameters())
+print(f"{config.num_heads} query heads share {config.num_kv_heads} kv heads: the cache is "
+      f"{config.num_heads // config.num_kv_heads}x smaller than with one kv head per query head")
 print(f"{'context':>8} {'batch':>6} {'fp32':>10} {'bf16':>10}")
 for tokens in (2048, 8192):
     for batch in (1, 8):
         fp32 = kv_cache_bytes(config, tokens, batch, torch.float32)
         bf16 = kv_cache_bytes(config, tokens, batch, torch.bfloat16)
         print(f"{tokens:>8} {batch:>6} {fp32 / 2**20:>7.0f} MiB {bf16 / 2**20:>7.0f} MiB")
+largest = kv_cache_bytes(config, 8192, 8, torch.float32)
+print(f"8192 tokens x 8 sequences in fp32: {largest / 2**30:.1f} GiB, "
+      f"{largest / weights_bytes:.1f}x the model's fp32 weights ({weights_bytes / 1e6:.0f} MB)")
 
 # %% [markdown]
-# At the full 8k context a batch of 8 needs 2.8 GiB in fp32: five times the model's own weights.
-# Serving many long requests is limited by the cache, not the weights — the reason for stage 07's
-# paged cache.
+# At the full context, a batch of 8 needs several times the model's own weights (the last line
+# above). Serving many long requests is limited by the cache, not the weights — the reason for
+# stage 07's paged cache.
 #
 # ## 2. The cache
 #
 # One tensor for keys and one for values, allocated once at full size:
 # `(layers, batch, kv_heads, max_len, head_dim)`. Each layer's attention calls
-# `update(layer, k, v, start)` with the new positions' keys and values; the cache writes them
-# *in place* at columns `start …` and returns every column up to the last one written.
+# `update(layer, k, v, start)` with the new positions' keys and values (stage 01's model makes
+# that call); the cache writes them *in place* at columns `start …` and returns every column
+# up to the last one written.
 #
 # The cache does not count how much it holds: the caller passes `start` (the model's
 # `cache_start` argument), as it passes the RoPE positions. Only the loop knows how far each
@@ -110,6 +120,25 @@ for tokens in (2048, 8192):
 # counter inside the cache could not say where each of them is.
 #
 # ### Exercise 4.1 — write in place, return the history
+#
+# Complete `KVCache.update(layer, k, v, start)`. `k` and `v` are the new positions' keys and
+# values, `(batch, kv_heads, new, head_dim)` each: the whole prompt in the prefill (`new` = its
+# length), one token per decode step (`new` = 1). They may come in another float dtype than the
+# cache's (fp32 activations, bf16 cache): the cache stores its own dtype. `update` must
+#
+# * refuse a write that does not fit, **before writing anything**: a negative `start` with a
+#   `ValueError`; a write past column `max_len − 1` with a `CacheFullError` whose message gives
+#   the cache's size, the column and number of positions asked for, and the fix (a larger
+#   `max_len`, with the size this write needed);
+# * store `k` and `v` in layer `layer`'s slice of `self.keys` and `self.values`, at columns
+#   `start … start + new − 1`, leaving every other layer and column as it was;
+# * return layer `layer`'s keys and values of columns `0 … start + new − 1`, each
+#   `(batch, kv_heads, start + new, head_dim)`: *views* of the cache, not copies (a decode step
+#   must not copy the whole history), and never a column past the last one written, whatever
+#   an earlier, longer request left there.
+#
+# The keys returned are longer than the queries the model holds (all the past, for one new
+# query): that is the point of the cache.
 
 # %%
 # export: kv_cache
@@ -140,18 +169,18 @@ class KVCache:
 
         A new request reuses the memory by starting again at 0: old entries are overwritten.
         """
+        # BEGIN EXERCISE 4.1: refuse writes that do not fit (negative start; past max_len, naming the fix); store k and v at this layer's columns start … start+new−1; return this layer's columns 0 … start+new−1 as views
+        # Hint 1: The cache is allocated once at full size: a write lands in place at the caller's columns, the history handed back is a window onto the same memory, and a write that would overflow must fail loudly before it changes anything.
+        # Hint 2: Compute the end column from start and the number of new positions; raise first if start is negative or the end exceeds max_len; then assign into a slice of the layer's keys and values over the column axis (assignment converts the dtype), and return slices from column 0 to the end, which PyTorch gives as views.
         new = k.shape[2]
+        end = start + new
         if start < 0:
             raise ValueError(f"start={start}: cache columns start at 0")
-        if start + new > self.max_len:
+        if end > self.max_len:
             raise CacheFullError(
                 f"the KV cache holds {self.max_len} positions; {new} were written at column "
-                f"{start}. Fix: allocate max_len ≥ prompt + max_new_tokens (here {start + new})."
+                f"{start}. Fix: allocate max_len ≥ prompt + max_new_tokens (here {end})."
             )
-        # BEGIN EXERCISE 4.1: copy k and v into this layer's slice at columns start … start+new-1, then return views of columns 0 … start+new-1
-        # Hint 1: The cache is preallocated: new keys and values are written in place at their positions, and attention reads everything written so far as a view, without copying.
-        # Hint 2: self.keys[layer, :, :, start:end] = k writes in place; self.keys[layer, :, :, :end] is a view.
-        end = start + new
         self.keys[layer, :, :, start:end] = k
         self.values[layer, :, :, start:end] = v
         return self.keys[layer, :, :, :end], self.values[layer, :, :, :end]
@@ -181,6 +210,11 @@ print("allocated:", cache.nbytes, "bytes; formula:", kv_cache_bytes(config, 2048
 # and silently breaks every padded one.
 #
 # ### Exercise 4.2 — the position of the next token
+#
+# `next_positions(is_real)` takes the `(B, T)` boolean map of which cache columns hold a real
+# token of each sequence (False on its left padding) and returns the `(B, 1)` integer RoPE
+# positions of the tokens about to be appended: positions count from 0 at each sequence's
+# first real token.
 
 # %%
 # export: cached_generate
@@ -195,13 +229,46 @@ import torch
 
 def next_positions(is_real: torch.Tensor) -> torch.Tensor:
     """RoPE positions (B, 1) of the tokens about to be appended, given which cached columns are real."""
-    # BEGIN EXERCISE 4.2: a sequence's next position is the number of its real tokens so far
-    # Hint 1: With left padding, the cache's column count includes pads; a sequence's position is how many of its own tokens came before.
-    # Hint 2: is_real.sum(dim=-1, keepdim=True); the cache length is_real.shape[1] also counts padding.
+    # BEGIN EXERCISE 4.2: return each sequence's RoPE position for its next token, shape (B, 1)
+    # Hint 1: With left padding the cache's column count includes pads; a sequence's position is how many of its own tokens came before, and positions start at 0.
+    # Hint 2: Count the True entries of each row (over the column axis), keeping that axis so the result is a column of B integers; the tensor's width also counts padding, so it is the wrong number.
     return is_real.sum(dim=-1, keepdim=True)
     # END EXERCISE 4.2
 
 
+# %%
+# Check exercise 4.2
+checks.stage04.check_next_positions(next_positions)
+
+# %% [markdown]
+# ### Exercise 4.3 — prefill once, then decode one token per step
+#
+# `cached_steps(model, prompts, params)` is the step iterator that `generate_cached` runs, with
+# the contract of stage 03's `batch_steps`: each `next()` yields a list of B ints, the next
+# token of every prompt, until the longest `max_new_tokens` is reached (`collect` applies the
+# stop rules and ignores rows that have finished). Given: the device, one seeded generator per
+# prompt, `sequences` (each prompt's tokens so far: sampling reads them for the repetition
+# penalty, so append every new token) and `steps`. Write the rest:
+#
+# 1. left-pad the prompts (stage 03's `left_pad`) and allocate one `KVCache` for the batch, in
+#    the model's weight dtype, long enough for the padded prompt and every new token;
+# 2. **prefill**: one forward pass over the padded batch with its RoPE positions and its
+#    attention mask (stage 03's `attention_mask`: causal, padding hidden), writing the cache
+#    from column 0; only the last position's logits are needed;
+# 3. at every step pick the next tokens from the logits (`sample_next`), append them to
+#    `sequences` and yield them; after the last step return at once: the last token needs no
+#    forward pass of its own;
+# 4. **decode**: feed only the B new tokens, `(B, 1)`, each at its own sequence's RoPE position
+#    (exercise 4.2), writing their keys at the next free cache column (one column, the same for
+#    every row), with a one-query mask that still hides every row's padding.
+#
+# When no prompt is padded (one prompt, or prompts of one length), the model's default causal
+# mask is the right one and you may pass `None`. The check runs your loop on small random
+# models — several layers, fp32 and bf16, prompts of different lengths — and compares every
+# step's logits with a recomputation of each sequence alone, without cache or padding.
+
+# %%
+# export: cached_generate
 @torch.inference_mode()
 def cached_steps(model: LlamaModel, prompts: list[list[int]], params: list[SamplingParams]) -> Iterator[list[int]]:
     """Next tokens of every sequence: one prefill of the padded prompts, then one decode step each."""
@@ -209,6 +276,9 @@ def cached_steps(model: LlamaModel, prompts: list[list[int]], params: list[Sampl
     generators = [make_generator(p.seed, device) for p in params]
     sequences = [list(p) for p in prompts]
     steps = max(p.max_new_tokens for p in params)
+    # BEGIN EXERCISE 4.3: yield each step's next token of every prompt: prefill the padded prompts once into a new cache, then decode one token per sequence per step
+    # Hint 1: Every key and value the model has computed stays in the cache, so after one pass over the prompts each step only computes the newest token; its RoPE position counts its own sequence's real tokens, while its cache column, shared by the batch, counts padding too.
+    # Hint 2: Allocate the cache for the padded width plus the steps; prefill with the batch's ids, positions and mask at cache column 0, keeping only the last position; then loop over the steps: sample, append, yield, return after the last, otherwise mark one more real column, take the positions from exercise 4.2, build a one-query mask and run the model on the new ids as a column at cache column width + step.
     batch = left_pad(prompts, pad_id=0, device=device)  # any id works: padding is masked out
     width = batch.input_ids.shape[1]
     cache = KVCache(model.config, len(prompts), width + steps, dtype=model.embed_tokens.weight.dtype,
@@ -230,8 +300,11 @@ def cached_steps(model: LlamaModel, prompts: list[list[int]], params: list[Sampl
         mask = attention_mask(is_real, 1) if padded else None
         new_ids = torch.tensor(tokens, device=device)[:, None]
         logits = model(new_ids, positions, mask, cache, cache_start=width + step)  # cache: one column for all
+    # END EXERCISE 4.3
 
 
+# %%
+# export: cached_generate
 def generate_cached(
     model: LlamaModel,
     tokenizer: Tokenizer,
@@ -247,8 +320,8 @@ def generate_cached(
 
 
 # %%
-# Check exercise 4.2
-checks.stage04.check_next_positions(next_positions)
+# Check exercise 4.3
+checks.stage04.check_cached_steps(cached_steps)
 
 # %% [markdown]
 # ## 4. The invariants
@@ -258,8 +331,13 @@ checks.stage04.check_next_positions(next_positions)
 # 1. cache on = cache off, for one prompt and for a padded batch;
 # 2. prefill of N tokens then decoding the rest gives the same logits as recomputing everything;
 # 3. a request that does not fit is refused with the numbers.
+#
+# The first two run twice: with PyTorch's attention, and with the attention you wrote in
+# stage 02 (the `manual` backend, which its module registers when imported).
 
 # %%
+import aie_lessons.attention  # noqa: F401  (registers stage 02's "manual" backend)
+
 prompts = [tokenizer.encode_chat(q) for q in (
     "What is the capital of France?",
     "Name three primary colours.",
@@ -267,26 +345,32 @@ prompts = [tokenizer.encode_chat(q) for q in (
     "Give me one tip for learning to cook.",
 )]
 params = SamplingParams(max_new_tokens=24)
-single_cached = generate_cached(model, tokenizer, prompts[:1], params)[0]
-single_plain = generate(model, tokenizer, prompts[0], params)
-print("one prompt, cache on == cache off:", single_cached.token_ids == single_plain.token_ids)
-batch_cached = generate_cached(model, tokenizer, prompts, params)
-batch_plain = generate_batch(model, tokenizer, prompts, params)
-print("four padded prompts, cache on == cache off:",
-      [c.token_ids == p.token_ids for c, p in zip(batch_cached, batch_plain)])
+for backend in ("sdpa", "manual"):
+    model.set_attention_backend(backend)
+    single_cached = generate_cached(model, tokenizer, prompts[:1], params)[0]
+    single_plain = generate(model, tokenizer, prompts[0], params)
+    print(f"{backend:>6}: one prompt, cache on == cache off:", single_cached.token_ids == single_plain.token_ids)
+    batch_cached = generate_cached(model, tokenizer, prompts, params)
+    batch_plain = generate_batch(model, tokenizer, prompts, params)
+    print(f"{backend:>6}: four padded prompts, cache on == cache off:",
+          [c.token_ids == p.token_ids for c, p in zip(batch_cached, batch_plain)])
+model.set_attention_backend("sdpa")
 
 # %%
 ids = torch.tensor([tokenizer.encode("The lighthouse keeper climbed the stairs every night to")])
-with torch.inference_mode():
-    full = model(ids)
-    cache = KVCache(config, 1, ids.shape[1])
-    positions = torch.arange(ids.shape[1])[None]  # no padding: RoPE position = cache column
-    prefill = model(ids[:, :8], positions[:, :8], cache=cache, cache_start=0)
-    decoded = [model(ids[:, i:i + 1], positions[:, i:i + 1], cache=cache, cache_start=i)
-               for i in range(8, ids.shape[1])]
-stepwise = torch.cat([prefill, *decoded], dim=1)
-print("prefill 8 + decode the rest == full recompute (max diff < 1e-4):",
-      (stepwise - full).abs().max().item() < 1e-4)
+for backend in ("sdpa", "manual"):
+    model.set_attention_backend(backend)
+    with torch.inference_mode():
+        full = model(ids)
+        cache = KVCache(config, 1, ids.shape[1])
+        positions = torch.arange(ids.shape[1])[None]  # no padding: RoPE position = cache column
+        prefill = model(ids[:, :8], positions[:, :8], cache=cache, cache_start=0)
+        decoded = [model(ids[:, i:i + 1], positions[:, i:i + 1], cache=cache, cache_start=i)
+                   for i in range(8, ids.shape[1])]
+    stepwise = torch.cat([prefill, *decoded], dim=1)
+    print(f"{backend:>6}: prefill 8 + decode the rest == full recompute (max diff < 1e-4):",
+          (stepwise - full).abs().max().item() < 1e-4)
+model.set_attention_backend("sdpa")
 
 # %%
 try:
@@ -298,7 +382,6 @@ except ValueError as error:
 # ## 5. Time per token, with and without the cache
 #
 # Measured here: a step without the cache processes the whole sequence; with it, one token.
-
 # %%
 # NBVAL_IGNORE_OUTPUT
 text_ids = tokenizer.encode("The history of computing is a story of people and machines. " * 60)
@@ -336,10 +419,170 @@ print(f"at {lengths[-1]} tokens: {plain[-1] * 1e3:.0f} ms without the cache, "
       f"{sorted(decode_steps)[len(decode_steps) // 2] * 1e3:.0f} ms (median) with it")
 
 # %% [markdown]
-# With the cache the time per token is nearly flat: each step reads every weight once (538 MB
-# in fp32) and a little more cache. That makes decoding *memory-bound*: its speed limit is the
-# memory bandwidth you measured in stage 00 divided by the bytes read per token — the
-# **roofline**. At 30 GB/s that is 30e9 / 538e6 ≈ 56 tokens/s in fp32, twice that in bf16.
+# With the cache the time per token is nearly flat. What sets its level? A decode step does
+# almost no arithmetic per byte: every weight matrix is read once to multiply a single vector
+# (two operations per number read), and every layer reads all of its cached keys and values.
+# The processor computes far faster than memory delivers those numbers, so a step lasts about
+# as long as reading its bytes takes: decoding is *memory-bound*. The bytes a step must read,
+# divided by how fast this machine reads memory, give the **roofline**: the speed a batch-1
+# decoder could reach if it did nothing but stream its bytes at that rate. As the context
+# grows, the cache's share of the bytes grows with it, and the roofline comes down.
+#
+# First, the read speed. Stage 00 measured it with the same probe, `read_bandwidth`: it reads a
+# buffer far larger than any CPU cache, several times, and keeps the best and the median speed
+# (a shared machine's memory speed drifts from second to second).
+
+# %%
+# export: roofline
+"""The memory roofline of batch-1 decoding: bytes read per token against read bandwidth."""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+
+def read_bandwidth(megabytes: int = 512, repeats: int = 7) -> tuple[float, float]:
+    """This machine's memory read speed in bytes per second: (best, median) of ``repeats`` passes.
+
+    A decode step reads weights and cache and writes almost nothing, so the probe only reads
+    (a copy would also time the writes, and make the roofline look lower than it is). It reads a
+    buffer far larger than any CPU cache in the two ways a decode step does: a sum, like the
+    compiled step's loops, and a matrix–vector product, like the eager model's BLAS calls. Each
+    pass keeps the faster of the two, because neither reads at full speed on every CPU. The
+    first pass is not counted: it may fault the pages in.
+    """
+    buffer = torch.ones(megabytes * 2**20 // 4)
+    matrix, vector = buffer.view(-1, 4096), torch.ones(4096)
+    seconds = []
+    for _ in range(repeats + 1):
+        fastest = float("inf")
+        for read in (buffer.sum, lambda: torch.mv(matrix, vector)):
+            start = time.perf_counter()
+            read()
+            fastest = min(fastest, time.perf_counter() - start)
+        seconds.append(fastest)
+    return buffer.nbytes / min(seconds[1:]), buffer.nbytes / statistics.median(seconds[1:])
+
+
+# %% [markdown]
+# ### Exercise 4.4 — the bytes one decode step reads
+#
+# `decode_bytes_per_token(model, context, cache_dtype)` returns, as an `int`, the bytes a
+# decode step of one sequence reads from memory when its new token attends to `context`
+# positions (its own included):
+#
+# * every weight of the model once, in the dtype it is stored in (fp32 or bf16), norms
+#   included; the output head is a matrix like the others;
+# * but the embedding lookup reads a single row of its table: do not count the table as such.
+#   When the model *ties* its output head to it (SmolLM2 does), the table is read whole
+#   anyway — as the head — and counts once;
+# * the cache: the keys and values of `context` positions in every layer and kv head, in
+#   `cache_dtype` (`kv_cache_bytes` from section 1 gives it).
+
+# %%
+# export: roofline
+def decode_bytes_per_token(model: LlamaModel, context: int, cache_dtype: torch.dtype) -> int:
+    """Bytes one batch-1 decode step reads: the weights once, plus ``context`` cached positions."""
+    # BEGIN EXERCISE 4.4: return the bytes a batch-1 decode step reads: each weight matrix read whole once (the embedding table only as a tied output head) plus the cache's keys and values of context positions in cache_dtype
+    # Hint 1: A matrix–vector product reads every number of its matrix, whatever dtype it is stored in; a lookup reads one row; and attention reads every cached key and value of every layer.
+    # Hint 2: Add up the byte sizes of the model's parameters except the embedding table (parameters() lists a tied head only once, under the embedding), add the head's bytes back if it is that same tensor, then add the cache's bytes for one sequence of context tokens from the section-1 formula.
+    embedding, head = model.embed_tokens.weight, model.lm_head.weight
+    weights = sum(p.nbytes for p in model.parameters() if p is not embedding)
+    if head is embedding:  # tied: the whole table is read, as the output head
+        weights += head.nbytes
+    return weights + kv_cache_bytes(model.config, context, 1, cache_dtype)
+    # END EXERCISE 4.4
+
+
+# %%
+# Check exercise 4.4
+checks.stage04.check_decode_bytes(decode_bytes_per_token)
+
+# %%
+bf16_model = LlamaModel.from_pretrained(MODEL_DIR, dtype=torch.bfloat16)
+contexts = [64, 1024, 2048, 4096, 6144, 8192]
+decoders = {"fp32": (model, torch.float32), "bf16 weights and cache": (bf16_model, torch.bfloat16)}
+print("MB read per decode step")
+print(f"{'context':>8}" + "".join(f"{name:>25}" for name in decoders))
+for context in (1, 2048, 8192):
+    print(f"{context:>8}" + "".join(f"{decode_bytes_per_token(m, context, d) / 1e6:>25.1f}"
+                                    for m, d in decoders.values()))
+cache_8k = kv_cache_bytes(config, 8192, 1, torch.float32)
+print(f"fp32 cache at 8192 tokens: {cache_8k / 1e6:.0f} MB, "
+      f"{cache_8k / decode_bytes_per_token(model, 0, torch.float32):.0%} of the fp32 weights")
+
+# %% [markdown]
+# At a few thousand tokens the cache a step reads is no longer small beside the weights (the
+# last line above). Now the measurements: the read bandwidth, then decode steps of both models
+# at each context. A step's speed depends on how many cached positions it reads, not on what
+# they hold, so the cache is filled with random keys and values rather than by prefilling
+# thousands of tokens, and each step writes the same column `context − 1`.
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+def decode_tokens_per_s(decoder: LlamaModel, cache: KVCache, context: int, steps: int = 5) -> float:
+    """Batch-1 decode speed (median of ``steps``) of a step whose token attends to ``context`` positions."""
+    token, position = torch.tensor([[42]]), torch.tensor([[context - 1]])
+    seconds = []
+    with torch.inference_mode():
+        for _ in range(steps + 1):  # the first step warms up
+            start = time.perf_counter()
+            decoder(token, position, cache=cache, cache_start=context - 1)
+            seconds.append(time.perf_counter() - start)
+    return 1 / statistics.median(seconds[1:])
+
+
+best_read, median_read = read_bandwidth()
+print(f"read bandwidth: best {best_read / 1e9:.1f} GB/s, median {median_read / 1e9:.1f} GB/s")
+measured: dict[str, list[float]] = {}
+for name, (decoder, dtype) in decoders.items():
+    cache = KVCache(config, 1, max(contexts), dtype=dtype)
+    cache.keys.normal_(), cache.values.normal_()
+    measured[name] = [decode_tokens_per_s(decoder, cache, context) for context in contexts]
+    del cache
+for name, (decoder, dtype) in decoders.items():
+    for context, speed in zip(contexts, measured[name]):
+        roof = best_read / decode_bytes_per_token(decoder, context, dtype)
+        print(f"{name:>24} at {context:>5} tokens: {speed:5.1f} tokens/s, roofline {roof:5.1f}, "
+              f"{speed / roof:.0%} of it")
+
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+def roofline_chart(points: dict[str, tuple[list[int], list[float]]], title: str) -> None:
+    """Tokens/s against context length: each model's roofline as a line, measurements as points."""
+    span = range(1, 8193, 64)
+    plt.figure(figsize=(7, 4))
+    for (name, (decoder, dtype)), color in zip(decoders.items(), ("tab:blue", "tab:orange")):
+        plt.plot(span, [best_read / decode_bytes_per_token(decoder, c, dtype) for c in span],
+                 color=color, label=f"roofline, {name}")
+    for (name, (xs, ys)), marker in zip(points.items(), "osD^"):
+        plt.plot(xs, ys, marker, linestyle="none", label=name)
+    plt.xlabel("context length (cached positions a step reads)")
+    plt.ylabel("tokens per second, batch 1")
+    plt.ylim(bottom=0)
+    plt.grid(alpha=0.3)
+    plt.legend(fontsize=8)
+    plt.title(title, fontsize=10)
+    plt.tight_layout()
+    plt.show()
+
+
+eager_points = {f"measured, {name}, eager": (contexts, measured[name]) for name in decoders}
+roofline_chart(eager_points, "Decode speed against the memory roofline")
+
+# %% [markdown]
+# Both rooflines fall as the context grows: at 8192 tokens the cache adds a large fraction of
+# the weights' bytes to every step (the line printed before the measurements), and bf16's
+# roofline, with half the bytes of each, lies twice as high. Where the eager steps land is
+# printed above, as a fraction of their roofline. The eager bf16 model does not turn its half
+# of the bytes into speed: its `Linear` converts weight blocks to fp32 as it goes, and its
+# attention converts the whole bf16 cache to fp32 at every step (stage 01's model, for fp32
+# activations) — work that the roofline does not count. The next section finds out where an
+# eager step's time goes, and how to read the bytes faster.
 #
 # ## 6. Where a decode step's time goes
 #
@@ -791,15 +1034,59 @@ speed = {
 }
 for name, result in speed.items():
     print(f"{name:<28} {result.timings['decode_tokens_per_s']:6.1f} tokens/s")
+compiled_speed = speed["fused step, compiled"].timings["decode_tokens_per_s"]
+eager_speed = speed["fused step, eager"].timings["decode_tokens_per_s"]
+print(f"compiled / eager fused step: {compiled_speed / eager_speed:.1f}x")
 
 # %% [markdown]
 # Run eagerly, the fused step is no faster than `generate_cached`: fusing three matrices
 # into one barely changes the bytes, and the BLAS call still streams them slowly. The gain is
-# the compiler's, about 3–3.5× on the course machine — and it needed the step *written for*
-# it: one token, fixed shapes but for the position, products spelled as loops it can fuse.
+# the compiler's (the last ratio printed above) — and it needed the step *written for* it: one
+# token, fixed shapes but for the position, products spelled as loops it can fuse.
+#
+# Back to section 5's chart: the compiled fp32 step at the same contexts, against the same
+# rooflines. As there, a cache of random keys and values stands in for thousands of prefilled
+# tokens (the decoder's first step on this larger cache compiles once more, untimed).
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+long_cache = KVCache(config, 1, max(contexts))
+long_cache.keys.normal_(), long_cache.values.normal_()
+long_calls = compiled_fast.layer_inputs(long_cache)
+long_cos, long_sin = (t[0] for t in rope_cos_sin(torch.arange(max(contexts))[None], config.head_dim,
+                                                 config.rope_theta))
+
+
+def compiled_tokens_per_s(context: int, steps: int = 5) -> float:
+    """The compiled step's speed (median of ``steps``) when its token attends to ``context`` positions."""
+    seconds = []
+    with torch.no_grad():  # as the decoder's own loop: inference_mode would compile again
+        for _ in range(steps + 1):  # the first step warms up
+            start = time.perf_counter()
+            compiled_fast.step(42, context - 1, long_calls, long_cos, long_sin)
+            seconds.append(time.perf_counter() - start)
+    return 1 / statistics.median(seconds[1:])
+
+
+compiled_points = [compiled_tokens_per_s(context) for context in contexts]
+for context, speed_at in zip(contexts, compiled_points):
+    roof = best_read / decode_bytes_per_token(model, context, torch.float32)
+    print(f"compiled fp32 at {context:>5} tokens: {speed_at:5.1f} tokens/s, {speed_at / roof:.0%} of the roofline")
+roofline_chart({**eager_points, "measured, fp32, compiled": (contexts, compiled_points)},
+               "Decode speed against the memory roofline, with the compiled step")
+del long_cache, long_calls
+
+# %% [markdown]
+# The fractions printed above say how close the compiled step comes to its roofline at each
+# context. As the context grows, both the roofline and the measured speed fall: a step reads
+# the cache too, and its attention, written as loops over every cached position, pays for
+# each of them. Section 5's bandwidth is one moment's measurement: on a shared machine the
+# memory's speed drifts, so a fraction drifts with it, and can even pass 100% when the probe
+# ran in a slow moment.
 #
 # `benchmarks/decode.py` runs the full comparison: this decoder in fp32 and bf16 against
-# `transformers` on the same weights and against the roofline from a bandwidth probe, all in
+# `transformers` on the same weights and against a roofline from its own bandwidth probe (a
+# copy, whose figure is usually below this notebook's read-only one), all in
 # one process. The memory's speed drifts from second to second on a shared machine, so every
 # ratio compares measurements taken moments apart: whole requests for the ratio to
 # `transformers`, and for the roofline and bf16 ratios single decode steps, each between two
@@ -888,7 +1175,7 @@ def teacher_forced_logits(model: LlamaModel, ids: list[int], window: int) -> tor
 
 
 # %% [markdown]
-# ### Exercise 4.3 — agreement with fp32
+# ### Exercise 4.5 — agreement with fp32
 #
 # Given two models' logits at the same positions, `(positions, vocab)` each, say how far apart
 # their predictions are: how often they rank the same token first, the KL divergence from the
@@ -901,7 +1188,7 @@ def agreement(reference: torch.Tensor, logits: torch.Tensor) -> Agreement:
     """Compare ``logits`` with ``reference`` logits, both (positions, vocab)."""
     if reference.shape != logits.shape:
         raise ValueError(f"shapes differ: reference {tuple(reference.shape)}, logits {tuple(logits.shape)}")
-    # BEGIN EXERCISE 4.3: at every position compare the two next-token predictions; return an Agreement with the fraction of positions whose best token is the same, KL(reference ‖ model) averaged over positions, and the largest |logit difference|, as Python floats
+    # BEGIN EXERCISE 4.5: at every position compare the two next-token predictions; return an Agreement with the fraction of positions whose best token is the same, KL(reference ‖ model) averaged over positions, and the largest |logit difference|, as Python floats
     # Hint 1: Two models agree when they predict the same next tokens with similar probabilities: compare the argmax per position, the KL divergence of the distributions and the raw logit gap.
     # Hint 2: KL(p ‖ q) = Σ over the vocabulary of p · (log p − log q), with p the reference's probabilities; log-probabilities come stably from log_softmax, and a shift shared by all logits must not change them.
     log_p, log_q = reference.float().log_softmax(-1), logits.float().log_softmax(-1)
@@ -912,11 +1199,11 @@ def agreement(reference: torch.Tensor, logits: torch.Tensor) -> Agreement:
         mean_kl=kl.mean().item(),
         max_logit_error=(reference.float() - logits.float()).abs().max().item(),
     )
-    # END EXERCISE 4.3
+    # END EXERCISE 4.5
 
 
 # %%
-# Check exercise 4.3
+# Check exercise 4.5
 checks.stage04.check_agreement(agreement)
 
 
@@ -930,7 +1217,7 @@ reference_logits = teacher_forced_logits(model, text_ids, window=256)
 bf16_variants = {
     "bf16 weights, bf16 activations": LlamaModel.from_pretrained(MODEL_DIR, dtype=torch.bfloat16,
                                                                  activations=torch.bfloat16),
-    "bf16 weights, fp32 activations": LlamaModel.from_pretrained(MODEL_DIR, dtype=torch.bfloat16),
+    "bf16 weights, fp32 activations": bf16_model,  # section 5's
 }
 agreements = {name: agreement(reference_logits, teacher_forced_logits(variant, text_ids, window=256))
               for name, variant in bf16_variants.items()}
@@ -959,8 +1246,6 @@ print("and their mean KL is at least 5x smaller:", 5 * fp32_act.mean_kl < bf16_a
 
 # %%
 # NBVAL_IGNORE_OUTPUT
-import statistics
-
 speed_models = {"fp32": model, **bf16_variants}
 prefill_speed: dict[str, list[float]] = {name: [] for name in speed_models}
 decode_speed: dict[str, list[float]] = {name: [] for name in speed_models}
@@ -1005,8 +1290,9 @@ del bf16_variants, speed_models
 # | piece | what it does |
 # |---|---|
 # | `kv_cache_bytes` | 2 × layers × kv_heads × head_dim × tokens × batch × bytes |
-# | `KVCache.update` | writes new k/v in place, returns the history as views |
+# | `KVCache.update` | refuses writes that do not fit; writes new k/v in place, returns the history as views |
 # | `next_positions` | RoPE positions count real tokens, cache columns count all |
-# | `generate_cached` | prefill once, then one token per step |
+# | `cached_steps`, `generate_cached` | prefill the padded prompts once, then one token per step |
+# | `read_bandwidth`, `decode_bytes_per_token` | the roofline: bytes a step reads ÷ read bandwidth (`roofline`) |
 # | `FastDecoder` | batch-1 decode with fused weights and a compiled step (`fast_decode`) |
 # | `teacher_forced_logits`, `agreement` | a low-precision model against fp32 on real text (`precision`) |

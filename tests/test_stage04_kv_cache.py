@@ -1,22 +1,25 @@
-"""Stage 04: KV cache memory formula, in-place writes, invariants, checks."""
+"""Stage 04: KV cache memory formula, in-place writes, invariants, the roofline, checks."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from aie_lessons.cached_generate import generate_cached, next_positions
+import aie_lessons.attention  # noqa: F401  (registers stage 02's "manual" backend)
+from aie_lessons.cached_generate import cached_steps, generate_cached, next_positions
 from aie_lessons.checks import stage04 as checks
 from aie_lessons.config import ModelConfig
 from aie_lessons.generate import ContextLengthError, generate
 from aie_lessons.kv_cache import CacheFullError, KVCache, kv_cache_bytes
+from aie_lessons.masks import attention_mask
 from aie_lessons.model import LlamaModel
-from aie_lessons.padded_batch import generate_batch
+from aie_lessons.padded_batch import generate_batch, left_pad
 from aie_lessons.precision import Agreement, agreement
-from aie_lessons.sampling import SamplingParams
+from aie_lessons.roofline import decode_bytes_per_token, read_bandwidth
+from aie_lessons.sampling import SamplingParams, make_generator, sample_next
 from aie_lessons.tokenizer import Tokenizer
 
-from check_expect import names_the_mistake
+from check_expect import mutants, names_the_mistake
 from stepwise import chunked_logits, prefill_then_decode
 
 
@@ -120,6 +123,7 @@ def test_real_model_cached_batch_matches_plain_batch(real_model_dir):
     assert [c.token_ids for c in cached] == [p.token_ids for p in plain]
 
 
+# --- 4.1: wrong caches ------------------------------------------------------------------------
 class ConcatCache(KVCache):
     """Allocates a new tensor every step instead of writing in place."""
 
@@ -168,28 +172,262 @@ class OneColumnShortCache(KVCache):
         return self.keys[layer, :, :, :end - 1], self.values[layer, :, :, :end - 1]
 
 
-@pytest.mark.parametrize("wrong, message", [
+class CopyingCache(KVCache):
+    """Hands back copies of the history: every decode step would copy the whole cache."""
+
+    def update(self, layer, k, v, start):
+        keys, values = super().update(layer, k, v, start)
+        return keys.clone(), values.clone()
+
+
+class EveryLayerCache(KVCache):
+    """Forgets the layer index: the new keys are broadcast into every layer."""
+
+    def update(self, layer, k, v, start):
+        end = start + k.shape[2]
+        self.keys[:, :, :, start:end] = k
+        self.values[:, :, :, start:end] = v
+        return self.keys[layer, :, :, :end], self.values[layer, :, :, :end]
+
+
+class UncheckedCache(KVCache):
+    """No bounds: a write past the end fails inside PyTorch, and a negative start is accepted."""
+
+    def update(self, layer, k, v, start):
+        end = start + k.shape[2]
+        self.keys[layer, :, :, start:end] = k
+        self.values[layer, :, :, start:end] = v
+        return self.keys[layer, :, :, :end], self.values[layer, :, :, :end]
+
+
+class FullAtTheLastColumnCache(KVCache):
+    """Refuses a write that exactly fills the cache (≥ instead of >)."""
+
+    def update(self, layer, k, v, start):
+        if start + k.shape[2] >= self.max_len:
+            raise CacheFullError("the cache is full")
+        return super().update(layer, k, v, start)
+
+
+class SilentFullCache(KVCache):
+    """Refuses, but without the numbers or the fix."""
+
+    def update(self, layer, k, v, start):
+        if start + k.shape[2] > self.max_len:
+            raise CacheFullError("the cache is full")
+        return super().update(layer, k, v, start)
+
+
+class NegativeStartCache(KVCache):
+    """Checks the end but lets a negative start through (the slice then writes nothing, or the end)."""
+
+    def update(self, layer, k, v, start):
+        if start < 0:
+            start = 0
+        return super().update(layer, k, v, start)
+
+
+@mutants("4.1", [
     (ConcatCache, "allocated new memory"),
     (NewOnlyCache, "returned only the new keys"),
     (AtZeroCache, "written at column 0"),
     (CountingCache, "use start, not a count"),
     (OneColumnShortCache, "shape"),
+    (CopyingCache, "returned a copy"),
+    (EveryLayerCache, "changed other layers"),
+    (UncheckedCache, "raise CacheFullError"),
+    (FullAtTheLastColumnCache, "fits exactly"),
+    (SilentFullCache, r"name the cache's size \(12\)"),
+    (NegativeStartCache, "start=-1"),
 ])
 def test_kv_cache_check_names_the_mistake(tiny_dir, wrong, message):
     with names_the_mistake("4.1", message):
         checks.check_kv_cache(wrong, ModelConfig.from_json(tiny_dir))
 
 
-@pytest.mark.parametrize("wrong, message", [
-    (lambda is_real: torch.full((is_real.shape[0], 1), is_real.shape[1]), "cache length"),
-    (lambda is_real: is_real.sum(-1, keepdim=True) - 1, "off by one"),
+def test_kv_cache_check_passes_with_the_real_models_shapes(real_model_dir):
+    checks.check_kv_cache(KVCache, ModelConfig.from_json(real_model_dir))
+
+
+# --- 4.2: wrong positions ---------------------------------------------------------------------
+def cache_length(is_real):
+    return torch.full((is_real.shape[0], 1), is_real.shape[1])
+
+
+def last_real_index(is_real):
+    return is_real.sum(-1, keepdim=True) - 1
+
+
+def padding_count(is_real):
+    return (~is_real).sum(-1, keepdim=True)
+
+
+def flat_counts(is_real):
+    return is_real.sum(-1)
+
+
+def batch_axis_counts(is_real):
+    return is_real.sum(0, keepdim=True)
+
+
+def float_counts(is_real):
+    return is_real.float().sum(-1, keepdim=True)
+
+
+@mutants("4.2", [
+    (cache_length, "cache length"),
+    (last_real_index, "off by one"),
+    (padding_count, "counted the padding"),
+    (flat_counts, r"keep the column axis, \(B, 1\)"),
+    (batch_axis_counts, "over the batch axis"),
+    (float_counts, "integer counts"),
 ])
 def test_next_positions_check_names_the_mistake(wrong, message):
     with names_the_mistake("4.2", message):
         checks.check_next_positions(wrong)
 
 
-def agreement_with(kl=None, top1=None, max_error=None, floats=True):
+# --- 4.3: wrong loops -------------------------------------------------------------------------
+def wrong_loop(name: str, **mistake):
+    """``cached_steps`` with one mistake a learner might make, named by ``mistake``'s key."""
+
+    @torch.inference_mode()
+    def loop(model, prompts, params):
+        device = model.embed_tokens.weight.device
+        generators = [make_generator(p.seed, device) for p in params]
+        sequences = [list(p) for p in prompts]
+        steps = max(p.max_new_tokens for p in params)
+        batch = left_pad(prompts, pad_id=0, device=device)
+        rows, width = batch.input_ids.shape
+        dtype = torch.float32 if mistake.get("fp32_cache") else model.embed_tokens.weight.dtype
+        cache = KVCache(model.config, rows, width + steps + 1, dtype=dtype, device=device)
+        is_real = batch.is_real
+        positions = torch.arange(width).expand(rows, width) if mistake.get("prefill_positions") else batch.positions
+        mask = None if mistake.get("no_prefill_mask") else attention_mask(is_real, width)
+        logits = model(batch.input_ids, positions, mask, cache, cache_start=0, last_position_only=True)
+        ids = batch.input_ids
+        for step in range(steps):
+            tokens = sample_next(logits, params, generators, sequences)
+            if not mistake.get("no_append"):
+                for sequence, token in zip(sequences, tokens):
+                    sequence.append(token)
+            yield tokens
+            if step + 1 == steps and not mistake.get("extra_pass"):
+                return
+            if mistake.get("columns_as_positions"):
+                positions = torch.full((rows, 1), width + step)
+            else:
+                positions = next_positions(is_real)
+            if not mistake.get("stale_mask"):
+                is_real = torch.cat([is_real, torch.ones_like(is_real[:, :1])], dim=1)
+            mask = None if mistake.get("no_decode_mask") else attention_mask(is_real, 1)
+            new_ids = torch.tensor(tokens)[:, None]
+            if mistake.get("new_cache_each_step"):
+                cache = KVCache(model.config, rows, width + steps + 1, dtype=dtype, device=device)
+            column = {"not_advanced": width, "previous_column": width + step - 1}.get(
+                next((m for m in ("not_advanced", "previous_column") if mistake.get(m)), ""), width + step)
+            if mistake.get("whole_sequence"):
+                ids = torch.cat([ids, new_ids], dim=1)
+                full_mask = attention_mask(is_real, ids.shape[1])
+                full_positions = (is_real.long().cumsum(-1) - 1).clamp(min=0)
+                logits = model(ids, full_positions, full_mask, cache, cache_start=0, last_position_only=True)
+            else:
+                logits = model(new_ids, positions, mask, cache, cache_start=column)
+
+    loop.__name__ = name
+    return loop
+
+
+@mutants("4.3", [
+    (wrong_loop("columns_as_positions", columns_as_positions=True), "off by the padding"),
+    (wrong_loop("not_advanced", not_advanced=True), "cache was not advanced"),
+    (wrong_loop("previous_column", previous_column=True), "over the last token already cached"),
+    (wrong_loop("whole_sequence", whole_sequence=True), r"feed only the newest token.*\(B, 1\)"),
+    (wrong_loop("no_prefill_mask", no_prefill_mask=True), "prefill ran without a mask"),
+    (wrong_loop("no_decode_mask", no_decode_mask=True), "decode step 0 ran without a mask"),
+    (wrong_loop("stale_mask", stale_mask=True), "mask covers"),
+    (wrong_loop("prefill_positions", prefill_positions=True), "prefill's RoPE positions count the padding"),
+    (wrong_loop("new_cache_each_step", new_cache_each_step=True), "allocated .* caches"),
+    (wrong_loop("extra_pass", extra_pass=True), "once more after yielding the last tokens"),
+    (wrong_loop("no_append", no_append=True), "append every new token"),
+    (wrong_loop("fp32_cache", fp32_cache=True), "allocate it in the weights' dtype"),
+])
+def test_cached_steps_check_names_the_mistake(wrong, message):
+    with names_the_mistake("4.3", message):
+        checks.check_cached_steps(wrong)
+
+
+def test_cached_steps_check_restores_the_loops_own_helpers():
+    """The check runs the loop on its own cache, padding, mask and positions, then puts them back."""
+    import aie_lessons.cached_generate as module
+
+    before = {name: getattr(module, name) for name in ("KVCache", "left_pad", "attention_mask", "next_positions")}
+    checks.check_cached_steps(cached_steps)
+    assert {name: getattr(module, name) for name in before} == before
+
+
+# --- 4.4: wrong byte counts -------------------------------------------------------------------
+def bytes_without_cache(model, context, cache_dtype):
+    return sum(p.nbytes for p in model.parameters())
+
+
+def bytes_of_every_parameter(model, context, cache_dtype):
+    return sum(p.nbytes for p in model.parameters()) + kv_cache_bytes(model.config, context, 1, cache_dtype)
+
+
+def bytes_without_the_tied_head(model, context, cache_dtype):
+    embedding = model.embed_tokens.weight
+    weights = sum(p.nbytes for p in model.parameters() if p is not embedding)
+    return weights + kv_cache_bytes(model.config, context, 1, cache_dtype)
+
+
+def numbers_not_bytes(model, context, cache_dtype):
+    return sum(p.numel() for p in model.parameters()) + kv_cache_bytes(model.config, context, 1, cache_dtype)
+
+
+def keys_only(model, context, cache_dtype):
+    return sum(p.nbytes for p in model.parameters()) + kv_cache_bytes(model.config, context, 1, cache_dtype) // 2
+
+
+def cache_in_fp32(model, context, cache_dtype):
+    return sum(p.nbytes for p in model.parameters()) + kv_cache_bytes(model.config, context, 1, torch.float32)
+
+
+def weights_in_fp32(model, context, cache_dtype):
+    return 4 * sum(p.numel() for p in model.parameters()) + kv_cache_bytes(model.config, context, 1, cache_dtype)
+
+
+@mutants("4.4", [
+    (bytes_without_cache, "left out the cache"),
+    (bytes_of_every_parameter, "counted the embedding table"),
+    (bytes_without_the_tied_head, "left out the output head"),
+    (numbers_not_bytes, "numbers, not their bytes"),
+    (keys_only, "keys and values: twice"),
+    (cache_in_fp32, "count the cache in cache_dtype"),
+    (weights_in_fp32, "dtype it is stored in"),
+])
+def test_decode_bytes_check_names_the_mistake(wrong, message):
+    with names_the_mistake("4.4", message):
+        checks.check_decode_bytes(wrong)
+
+
+@pytest.mark.oracle
+def test_smollm2_decode_bytes_are_its_weights_plus_the_cache(real_model_dir):
+    """134,515,008 parameters (the tied table read once, as the head) plus 2 × 30 × 3 × 64 per position."""
+    model = LlamaModel.from_pretrained(real_model_dir)
+    assert decode_bytes_per_token(model, 0, torch.float32) == 134_515_008 * 4
+    assert decode_bytes_per_token(model, 8192, torch.float32) == 134_515_008 * 4 + 377_487_360
+    bf16 = LlamaModel.from_pretrained(real_model_dir, dtype=torch.bfloat16)
+    assert decode_bytes_per_token(bf16, 1000, torch.bfloat16) * 2 == decode_bytes_per_token(model, 1000, torch.float32)
+
+
+def test_read_bandwidth_is_a_plausible_rate():
+    best, median = read_bandwidth(megabytes=64, repeats=3)
+    assert 1e8 < median <= best < 1e13
+
+
+# --- 4.5: wrong agreements --------------------------------------------------------------------
+def agreement_with(name, kl=None, top1=None, max_error=None, floats=True):
     """A wrong ``agreement``: the reference one with one quantity computed the wrong way."""
 
     def wrong(reference, logits):
@@ -199,35 +437,61 @@ def agreement_with(kl=None, top1=None, max_error=None, floats=True):
             "mean_kl": (log_p.exp() * (log_p - log_q)).sum(-1).mean(),
             "max_logit_error": (reference - logits).abs().max(),
         }
-        for name, fn in (("mean_kl", kl), ("top1", top1), ("max_logit_error", max_error)):
+        for field, fn in (("mean_kl", kl), ("top1", top1), ("max_logit_error", max_error)):
             if fn is not None:
-                values[name] = fn(reference, logits, log_p, log_q)
+                values[field] = fn(reference, logits, log_p, log_q)
         values = {k: v.item() if floats else v for k, v in values.items()}
         return Agreement(positions=reference.shape[0], **values)
 
+    wrong.__name__ = name
     return wrong
 
 
-@pytest.mark.parametrize("wrong, message", [
-    (agreement_with(kl=lambda r, l, log_p, log_q: (log_q.exp() * (log_q - log_p)).sum(-1).mean()),
+@mutants("4.5", [
+    (agreement_with("kl_reversed", kl=lambda r, l, log_p, log_q: (log_q.exp() * (log_q - log_p)).sum(-1).mean()),
      r"KL\(model ‖ reference\)"),
-    (agreement_with(kl=lambda r, l, log_p, log_q: (log_p.exp() * (log_p - log_q)).sum()), "summed over positions"),
-    (agreement_with(kl=lambda r, l, log_p, log_q: (log_p.exp() * (log_p - log_q)).mean()), "averaged over the vocabulary"),
-    (agreement_with(kl=lambda r, l, log_p, log_q: (r.softmax(-1) * (r - l)).sum(-1).mean()), "raw logits"),
-    (agreement_with(top1=lambda r, l, *_: (r.argmax(-1) == l.argmax(-1)).sum().float()), "count of positions"),
-    (agreement_with(top1=lambda r, l, *_: (r.argmax(0) == l.argmax(0)).float().mean()), "last axis"),
-    (agreement_with(max_error=lambda r, l, *_: (r - l).abs().mean()), "mean |logit difference|"),
-    (agreement_with(floats=False), "return Python floats"),
+    (agreement_with("kl_summed", kl=lambda r, l, log_p, log_q: (log_p.exp() * (log_p - log_q)).sum()),
+     "summed over positions"),
+    (agreement_with("kl_mean_over_vocab", kl=lambda r, l, log_p, log_q: (log_p.exp() * (log_p - log_q)).mean()),
+     "averaged over the vocabulary"),
+    (agreement_with("kl_of_raw_logits", kl=lambda r, l, log_p, log_q: (r.softmax(-1) * (r - l)).sum(-1).mean()),
+     "raw logits"),
+    (agreement_with("top1_count", top1=lambda r, l, *_: (r.argmax(-1) == l.argmax(-1)).sum().float()),
+     "count of positions"),
+    (agreement_with("top1_wrong_axis", top1=lambda r, l, *_: (r.argmax(0) == l.argmax(0)).float().mean()),
+     "last axis"),
+    (agreement_with("mean_error", max_error=lambda r, l, *_: (r - l).abs().mean()), "mean |logit difference|"),
+    (agreement_with("tensors", floats=False), "return Python floats"),
 ])
 def test_agreement_check_names_the_mistake(wrong, message):
-    with names_the_mistake("4.3", message):
+    with names_the_mistake("4.5", message):
         checks.check_agreement(wrong)
 
 
 def test_reference_implementations_pass(tiny_dir):
     checks.check_kv_cache(KVCache, ModelConfig.from_json(tiny_dir))
     checks.check_next_positions(next_positions)
+    checks.check_cached_steps(cached_steps)
+    checks.check_decode_bytes(decode_bytes_per_token)
     checks.check_agreement(agreement)
+
+
+# --- stage 02's attention inside stage 04 -----------------------------------------------------
+def test_manual_backend_keeps_the_cache_invariants(tiny_untied_dir):
+    """The learner's stage-02 attention (fp32): cached == uncached tokens, stepwise == full logits."""
+    model, tokenizer = LlamaModel.from_pretrained(tiny_untied_dir), Tokenizer.from_pretrained(tiny_untied_dir)
+    ids = torch.arange(3, 23)[None]
+    with torch.inference_mode():
+        expected = model(ids)
+        model.set_attention_backend("manual")
+        full = model(ids)
+        stepwise = prefill_then_decode(model, ids, KVCache(model.config, 1, 20), prefill=7)
+    assert torch.allclose(full, expected, atol=1e-5) and torch.allclose(stepwise, full, atol=1e-5)
+    prompts = [tokenizer.encode(t) for t in ("The quick brown", "中文", "a", "emoji 🤗 here")]
+    params = SamplingParams(max_new_tokens=10, ignore_eos=True)
+    cached = generate_cached(model, tokenizer, prompts, params)
+    assert [c.token_ids for c in cached] == [p.token_ids for p in generate_batch(model, tokenizer, prompts, params)]
+    assert cached[0].token_ids == generate(model, tokenizer, prompts[0], params).token_ids
 
 
 def test_a_cache_reading_backend_gets_the_new_keys_and_the_cache_itself(tiny_untied_dir):

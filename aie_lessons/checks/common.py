@@ -44,6 +44,20 @@ def call(exercise: str, fn, *args, hint: str = ""):
         ) from exc
 
 
+def causal_reference(q_len: int, kv_len: int, device=None, *, offset: int | None = None) -> torch.Tensor:
+    """The (q_len, kv_len) causal mask from its rule: key j visible to query i when j ≤ i + offset.
+
+    ``offset`` is query 0's position, by default ``kv_len − q_len``: the queries are the *last*
+    q_len of kv_len positions (a chunk after a cache, or one decode step), so the diagonal ends in
+    the bottom-right corner. Checks of several stages compare against it; other offsets give the
+    usual wrong masks (0: aligned to the top-left; one less: the diagonal masked).
+    """
+    offset = kv_len - q_len if offset is None else offset
+    keys = torch.arange(kv_len, device=device)
+    queries = torch.arange(q_len, device=device)
+    return keys[None, :] <= queries[:, None] + offset
+
+
 def expect_shape(exercise: str, name: str, got: torch.Tensor, expected: tuple) -> None:
     if not isinstance(got, torch.Tensor):
         fail(exercise, f"{name} should be a tensor, got {type(got).__name__}")
