@@ -58,6 +58,7 @@ class LayerWeights:
     post_norm: torch.Tensor  # (hidden,) fp32
 
     def tensors(self) -> tuple[Any, ...]:
+        """The fields in ``decode_layer``'s argument order, from ``qkv`` on."""
         return self.qkv, self.o, self.gate_up, self.down, self.input_norm, self.post_norm
 
 
@@ -321,6 +322,7 @@ class FastDecoder:
     # step's outputs in a way torch.compile guards on, which would compile every layer twice.
     @torch.no_grad()
     def _decode(self, prompt_ids: list[int], params: SamplingParams) -> Iterator[int]:
+        """``tokens``' generator: the prefill on the first ``next()``, then one step per ``next()``."""
         if params.max_new_tokens == 0:
             return
         model, device = self.model, self.embed.device

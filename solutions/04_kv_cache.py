@@ -160,6 +160,7 @@ class KVCache:
 
     @property
     def nbytes(self) -> int:
+        """Bytes the cache holds, keys and values: equal to ``kv_cache_bytes`` of its shape."""
         return self.keys.nbytes + self.values.nbytes
 
     def update(
@@ -178,8 +179,8 @@ class KVCache:
             raise ValueError(f"start={start}: cache columns start at 0")
         if end > self.max_len:
             raise CacheFullError(
-                f"the KV cache holds {self.max_len} positions; {new} were written at column "
-                f"{start}. Fix: allocate max_len ≥ prompt + max_new_tokens (here {end})."
+                f"the KV cache holds {self.max_len} positions; writing {new} at column {start} needs "
+                f"{end}. Fix: allocate max_len ≥ prompt + max_new_tokens (here {end})."
             )
         self.keys[layer, :, :, start:end] = k
         self.values[layer, :, :, start:end] = v
@@ -444,27 +445,36 @@ import time
 import torch
 
 
-def read_bandwidth(megabytes: int = 512, repeats: int = 7) -> tuple[float, float]:
+def read_bandwidth(
+    megabytes: int = 512, repeats: int = 7, buffer: torch.Tensor | None = None
+) -> tuple[float, float]:
     """This machine's memory read speed in bytes per second: (best, median) of ``repeats`` passes.
 
     A decode step reads weights and cache and writes almost nothing, so the probe only reads
     (a copy would also time the writes, and make the roofline look lower than it is). It reads a
     buffer far larger than any CPU cache in the two ways a decode step does: a sum, like the
     compiled step's loops, and a matrix–vector product, like the eager model's BLAS calls. Each
-    pass keeps the faster of the two, because neither reads at full speed on every CPU. The
-    first pass is not counted: it may fault the pages in.
+    pass keeps the faster of the two, because neither reads at full speed on every CPU.
+
+    Without ``buffer`` it allocates ``megabytes`` and does not count its first pass, which may
+    fault the pages in. A caller that probes again and again (``benchmarks/decode.py``, between
+    decode steps) passes its own fp32 buffer instead, already touched, whose size then sets the
+    bytes read, and every pass counts.
     """
-    buffer = torch.ones(megabytes * 2**20 // 4)
-    matrix, vector = buffer.view(-1, 4096), torch.ones(4096)
+    fresh = buffer is None
+    if buffer is None:
+        buffer = torch.ones(megabytes * 2**20 // 4)
+    matrix, vector = buffer.view(-1, 4096), torch.ones(4096, dtype=buffer.dtype)
     seconds = []
-    for _ in range(repeats + 1):
+    for _ in range(repeats + fresh):
         fastest = float("inf")
         for read in (buffer.sum, lambda: torch.mv(matrix, vector)):
             start = time.perf_counter()
             read()
             fastest = min(fastest, time.perf_counter() - start)
         seconds.append(fastest)
-    return buffer.nbytes / min(seconds[1:]), buffer.nbytes / statistics.median(seconds[1:])
+    counted = seconds[fresh:]
+    return buffer.nbytes / min(counted), buffer.nbytes / statistics.median(counted)
 
 
 # %% [markdown]
@@ -554,7 +564,7 @@ for name, (decoder, dtype) in decoders.items():
 # NBVAL_IGNORE_OUTPUT
 def roofline_chart(points: dict[str, tuple[list[int], list[float]]], title: str) -> None:
     """Tokens/s against context length: each model's roofline as a line, measurements as points."""
-    span = range(1, 8193, 64)
+    span = [*range(1, max(contexts), 64), max(contexts)]
     plt.figure(figsize=(7, 4))
     for (name, (decoder, dtype)), color in zip(decoders.items(), ("tab:blue", "tab:orange")):
         plt.plot(span, [best_read / decode_bytes_per_token(decoder, c, dtype) for c in span],
@@ -604,21 +614,28 @@ with torch.inference_mode():
         model(step_ids, torch.tensor([[n + 3]]), cache=cache, cache_start=n + 3)
 events = prof.key_averages()
 total_us = sum(e.self_cpu_time_total for e in events)
-mm_us = sum(e.self_cpu_time_total for e in events if e.key in ("aten::mm", "aten::addmm"))
-print(f"{sum(e.count for e in events)} operator calls in one step; "
-      f"matrix products take {mm_us / total_us:.0%} of the time")
+products = [e for e in events if e.key in ("aten::mm", "aten::addmm")]
+mm_us, mm_calls = sum(e.self_cpu_time_total for e in products), sum(e.count for e in products)
+matrix_bytes = sum(p.nbytes for p in model.parameters() if p.dim() == 2)  # the head is the tied table
+other_calls = sum(e.count for e in events) - mm_calls
+print(f"matrix products: {mm_calls} calls ({config.num_layers} layers x 7 + the output head), "
+      f"{mm_us / total_us:.0%} of the step's time, streaming {matrix_bytes / 1e6:.0f} MB of weights at "
+      f"{matrix_bytes / (mm_us * 1e-6) / 1e9:.1f} GB/s (section 5's probe read {best_read / 1e9:.1f} GB/s)")
+print(f"every other operator: {other_calls} calls (nested ones included), {1 - mm_us / total_us:.0%} of the "
+      f"time, {(total_us - mm_us) / other_calls:.1f} µs per call on average")
 print(events.table(sort_by="self_cpu_time_total", row_limit=8))
 
 # %% [markdown]
-# On the course machine nearly nine tenths of the step is `aten::mm`: 211 matrix–vector
-# products (7 per layer, plus the output head), each a BLAS call that streams its weight
-# matrix at about 11 GB/s — a third of what the memory delivers. The rest is some 6,500 small
-# operator calls (norms, RoPE, views, the cache write), a microsecond or a few each for
-# almost no arithmetic. Three changes attack both:
+# The two lines printed above the table say where this step's time went: the matrix products
+# (`aten::mm`, one per weight matrix), the rate at which they streamed their weights — compare
+# it with the read bandwidth that section 5 measured — and thousands of small operator calls
+# (norms, RoPE, views, the cache write), a few microseconds each for almost no arithmetic. (The
+# profiler adds a little to every call, so the small ones look somewhat slower than they are.)
+# Five changes attack both:
 #
-# 1. **Fuse the weights** that read the same input: q, k and v become one (960 × 576) matrix,
-#    gate and up one (3072 × 576). Fewer, larger passes over memory (point 4 shows how they
-#    become one matrix without copying: no weight is stored twice).
+# 1. **Fuse the weights** that read the same input: q, k and v become one matrix, gate and up
+#    another (their shapes are printed after the decoder). Fewer, larger passes over memory
+#    (point 4 shows how they become one matrix without copying: no weight is stored twice).
 # 2. **Write the matrix–vector product as what it is**, `(W * x).sum(-1)` — and attention
 #    for one query the same way — and let `torch.compile` turn each layer into a handful of
 #    loops of generated C++: every weight streamed once, vectorised, on every core, with the
@@ -633,22 +650,24 @@ print(events.table(sort_by="self_cpu_time_total", row_limit=8))
 #    memory, in the order the step reads it — so q/k/v and gate/up are each one matrix
 #    without a copy — and on Linux that block asks for 2 MB "huge" pages instead of 4 KB
 #    ones. Every address the CPU reads is translated through the TLB, a small cache of
-#    page-table entries. Streaming 538 MB in 4 KB pages misses it 130,000 times per token,
-#    and each miss walks the page tables (twice over in a virtual machine) while the
-#    hardware prefetcher, which stops at page edges, waits. Same bytes, same loops: on the
-#    course machine the fp32 step ran 15–25% faster from huge pages.
+#    page-table entries. Streaming the weights in 4 KB pages misses it at every new page —
+#    how many pages a step crosses is printed after the decoder — and each miss walks the
+#    page tables (twice over in a virtual machine) while the hardware prefetcher, which stops
+#    at page edges, waits. Same bytes, same loops, a fraction of the misses.
 # 5. **Keep the loops lean and the calls few.** Inductor inlines cheap elementwise work into
 #    the loops that read it, which is usually right — but an RMSNorm feeding a matrix–vector
 #    product would then be redone for every row of the matrix. What a compiled function
 #    *returns* is always stored, once, so the step returns the normalized vectors it feeds
 #    to the products (`Stored`), and the inner loop only loads and multiplies. RoPE is
 #    written as a flip rather than a concatenation for a like reason: one loop, not one per
-#    half. And each compiled call from Python costs some 25 µs while the memory idles, so one
-#    call runs five layers. Each of these is a few percent in fp32; in bf16, whose step is
-#    half as long while these costs stay, together they took some 15% off the step.
+#    half. And each compiled call from Python has a fixed cost, paid while the memory
+#    idles, so one call runs several layers (printed after the decoder). Each of these is
+#    small beside an fp32 step; a bf16 step is half as long while these costs stay, so there
+#    they weigh twice as much.
 #
 # Plus the usual hygiene: RoPE angles from a table computed once per request, the cache
-# written in place, and the step returns the next token's id, not 49,152 logits.
+# written in place, and the step returns the next token's id, not a whole vocabulary of
+# logits.
 #
 # The fast path decodes a single sequence (the latency case; stage 06 batches). Prefill still
 # runs the ordinary model: it is one big matrix–matrix pass, already efficient.
@@ -702,6 +721,7 @@ class LayerWeights:
     post_norm: torch.Tensor  # (hidden,) fp32
 
     def tensors(self) -> tuple[Any, ...]:
+        """The fields in ``decode_layer``'s argument order, from ``qkv`` on."""
         return self.qkv, self.o, self.gate_up, self.down, self.input_norm, self.post_norm
 
 
@@ -965,6 +985,7 @@ class FastDecoder:
     # step's outputs in a way torch.compile guards on, which would compile every layer twice.
     @torch.no_grad()
     def _decode(self, prompt_ids: list[int], params: SamplingParams) -> Iterator[int]:
+        """``tokens``' generator: the prefill on the first ``next()``, then one step per ``next()``."""
         if params.max_new_tokens == 0:
             return
         model, device = self.model, self.embed.device
@@ -1021,6 +1042,12 @@ inside_block = [p for p in model.parameters()
 weights_mb = sum(p.nbytes for p in model.parameters()) / 1e6
 print(f"packed copy: {block.nbytes / 1e6:.0f} MB beside the model's {weights_mb:.0f} MB; "
       f"model parameters living in the decoder's block: {len(inside_block)}")
+first_layer = compiled_fast.layers[0]
+print("one layer's fused matrices: q/k/v", tuple(first_layer.qkv.shape), "o", tuple(first_layer.o.shape),
+      "gate/up", tuple(first_layer.gate_up.shape), "down", tuple(first_layer.down.shape))
+print(f"pages a step streams: {block.nbytes // 2**12:,} of 4 KB, or {-(-block.nbytes // 2**21):,} of 2 MB")
+calls_per_step = -(-config.num_layers // compiled_fast.layers_per_call) + 1  # ceil, then the head
+print(f"layers per compiled call: {compiled_fast.layers_per_call}, so {calls_per_step} compiled calls per step")
 
 # %% [markdown]
 # And the speed, measured here, side by side (the compiled decoder is already warm):
@@ -1039,10 +1066,11 @@ eager_speed = speed["fused step, eager"].timings["decode_tokens_per_s"]
 print(f"compiled / eager fused step: {compiled_speed / eager_speed:.1f}x")
 
 # %% [markdown]
-# Run eagerly, the fused step is no faster than `generate_cached`: fusing three matrices
-# into one barely changes the bytes, and the BLAS call still streams them slowly. The gain is
-# the compiler's (the last ratio printed above) — and it needed the step *written for* it: one
-# token, fixed shapes but for the position, products spelled as loops it can fuse.
+# Run eagerly, the fused step gains nothing on `generate_cached` (compare the first two lines
+# above): fusing three matrices into one barely changes the bytes, and its one-vector products
+# and spelled-out attention are still dispatched call by call. The gain is the compiler's (the
+# last ratio printed above) — and it needed the step *written for* it: one token, fixed shapes
+# but for the position, products spelled as loops it can fuse.
 #
 # Back to section 5's chart: the compiled fp32 step at the same contexts, against the same
 # rooflines. As there, a cache of random keys and values stands in for thousands of prefilled
@@ -1085,27 +1113,27 @@ del long_cache, long_calls
 # ran in a slow moment.
 #
 # `benchmarks/decode.py` runs the full comparison: this decoder in fp32 and bf16 against
-# `transformers` on the same weights and against a roofline from its own bandwidth probe (a
-# copy, whose figure is usually below this notebook's read-only one), all in
-# one process. The memory's speed drifts from second to second on a shared machine, so every
-# ratio compares measurements taken moments apart: whole requests for the ratio to
-# `transformers`, and for the roofline and bf16 ratios single decode steps, each between two
-# probes, fp32 and bf16 taking turns. The probe copies in both kinds of pages and keeps the
-# faster, so huge pages raise the roofline as much as they raise us. On the course machine
-# fp32 runs at 0.76–0.80 of the roofline and 3.5–4× as fast as `transformers`, and bf16
-# 1.7× as fast as fp32. What is left: between the matrix products, attention, RoPE and the
-# cache write run as short, partly single-threaded loops while the memory idles, and the
-# seven compiled calls a step still cost some 25 µs each. bf16 reads half the bytes but runs
-# less than 2× as fast because those costs stay.
+# `transformers` on the same weights and against the roofline, all in one process, with the
+# bandwidth from the same `read_bandwidth` as here — in ordinary and in huge pages, keeping
+# the faster, so huge pages raise the roofline as much as they raise us. The memory's speed
+# drifts from second to second on a shared machine, so every ratio compares measurements
+# taken moments apart: whole requests for the ratio to `transformers`, and for the roofline
+# and bf16 ratios single decode steps, each between two probes, fp32 and bf16 taking turns.
+# Run it (`python benchmarks/decode.py`, a few minutes) for this machine's ratios. What is
+# left: between the matrix products, attention, RoPE and the cache write run as short, partly
+# single-threaded loops while the memory idles, and each of the step's compiled calls still
+# has its fixed cost. bf16 reads half the bytes but runs less than twice as fast because
+# those costs stay.
 #
 # ## 7. bf16: what to store, and what to compute in
 #
-# bf16 keeps fp32's exponent and 8 of its 24 mantissa bits: numbers near 25 are 0.125 apart.
+# bf16 keeps fp32's exponent but only the first bits of its significand (how many, and how far
+# apart bf16 numbers near 25 are, is printed below).
 # Storing the *weights* in bf16 halves the bytes every decode step reads. That leaves a
 # choice for the arithmetic:
 #
 # - **bf16 activations**: every hidden state, every norm output and every product rounded to
-#   8 bits, layer after layer. CPUs with bf16 instructions (AVX-512 BF16, AMX) run the matrix
+#   bf16, layer after layer. CPUs with bf16 instructions (AVX-512 BF16, AMX) run the matrix
 #   products of a prefill faster this way.
 # - **fp32 activations**: the weights are rounded once, when stored; everything computed from
 #   them stays fp32 (`Linear` upcasts a block of weight rows at a time). This is what the
@@ -1123,6 +1151,8 @@ print("best two first tokens:", [tokenizer.decode([i]) for i in best.indices.tol
 print(f"fp32 logits {best.values[0]:.1f} and {best.values[1]:.1f}: "
       f"{best.values[0] - best.values[1]:.2f} apart")
 print("every bf16 number from 25 to 26:", sorted(set(torch.linspace(25, 26, 257).bfloat16().tolist())))
+print("significand bits, the leading 1 included: bf16", torch.finfo(torch.bfloat16).nmant + 1,
+      "fp32", torch.finfo(torch.float32).nmant + 1)
 
 # %% [markdown]
 # The two candidates are closer than one bf16 step. Rounded to bf16 they can land on the same
@@ -1221,7 +1251,7 @@ bf16_variants = {
 }
 agreements = {name: agreement(reference_logits, teacher_forced_logits(variant, text_ids, window=256))
               for name, variant in bf16_variants.items()}
-print(f"{reference_logits.shape[0]} positions of real text; largest fp32 logit "
+print(f"{reference_logits.shape[0]} positions of real text in windows of 256 tokens; largest fp32 logit "
       f"{reference_logits.abs().max().item():.1f}")
 print(f"{'':32} {'top-1 = fp32':>12} {'mean KL':>10} {'max |Δlogit|':>13}")
 for name, a in agreements.items():
@@ -1241,27 +1271,30 @@ print("fp32 activations agree more often on the best token:", fp32_act.top1 > bf
 print("and their mean KL is at least 5x smaller:", 5 * fp32_act.mean_kl < bf16_act.mean_kl)
 
 # %% [markdown]
-# What the choice costs in speed, measured side by side (the same 256-token prompt, then 16
-# decode steps with the cache, three rounds, the median):
+# What the choice costs in speed, measured side by side: one prompt of real text, then a few
+# decode steps with the cache, in several rounds, the median (the cell's first line says how
+# many of each):
 
 # %%
 # NBVAL_IGNORE_OUTPUT
 speed_models = {"fp32": model, **bf16_variants}
+prompt_tokens, decode_tokens, rounds = 256, 16, 3
+print(f"a prompt of {prompt_tokens} tokens, then {decode_tokens} decode steps; median of {rounds} rounds")
 prefill_speed: dict[str, list[float]] = {name: [] for name in speed_models}
 decode_speed: dict[str, list[float]] = {name: [] for name in speed_models}
-prompt_256 = torch.tensor([text_ids[:256]])
+prompt = torch.tensor([text_ids[:prompt_tokens]])
 with torch.inference_mode():
-    for _ in range(3):
+    for _ in range(rounds):
         for name, variant in speed_models.items():
-            cache = KVCache(config, 1, 256 + 16, dtype=variant.embed_tokens.weight.dtype)
+            cache = KVCache(config, 1, prompt_tokens + decode_tokens, dtype=variant.embed_tokens.weight.dtype)
             start = time.perf_counter()
-            logits = variant(prompt_256, torch.arange(256)[None], cache=cache, cache_start=0,
+            logits = variant(prompt, torch.arange(prompt_tokens)[None], cache=cache, cache_start=0,
                              last_position_only=True)
-            prefill_speed[name].append(256 / (time.perf_counter() - start))
+            prefill_speed[name].append(prompt_tokens / (time.perf_counter() - start))
             start = time.perf_counter()
-            for t in range(256, 256 + 16):
+            for t in range(prompt_tokens, prompt_tokens + decode_tokens):
                 logits = variant(logits.argmax(-1), torch.tensor([[t]]), cache=cache, cache_start=t)
-            decode_speed[name].append(16 / (time.perf_counter() - start))
+            decode_speed[name].append(decode_tokens / (time.perf_counter() - start))
 print(f"{'':32} {'prefill tok/s':>14} {'× fp32':>7} {'eager decode tok/s':>19}")
 for name in speed_models:
     prefill = statistics.median(prefill_speed[name])
@@ -1270,20 +1303,21 @@ for name in speed_models:
 del bf16_variants, speed_models
 
 # %% [markdown]
-# On the course machine (an Intel Xeon with AMX) bf16 activations made the prefill about 2.4×
-# as fast as fp32 in every run, while fp32 activations ran it at 0.7–0.9× fp32 (fp32
-# arithmetic plus the conversion of every weight block); eagerly, neither bf16 variant
-# decoded faster than fp32 — at one token each `F.linear` is a BLAS call that gains nothing
-# from bf16 weights, and fp32 activations add the conversion. The bytes pay off in the
-# compiled decoder, which reads bf16 and computes in fp32 in one loop: `benchmarks/decode.py`
-# measures it at about 1.7× fp32.
+# The "× fp32" column above is what bf16 arithmetic does for the prefill on this processor.
+# On a CPU with bf16 matrix instructions (AMX, AVX-512 BF16) bf16 activations run it faster
+# than fp32; fp32 activations pay fp32 arithmetic plus the conversion of every weight block.
+# Eagerly, bf16 weights buy the decode little or nothing (the last column): at one token each
+# `F.linear` is a call that gains nothing from bf16 weights, and fp32 activations add the
+# conversion. The bytes pay off in the compiled decoder, which reads bf16 and computes in
+# fp32 in one loop: `benchmarks/decode.py` measures its bf16/fp32 ratio.
 #
-# So the course keeps **fp32 activations** as the default: on real text they had three times
-# fewer positions with a different best token than bf16 activations, and a tenth of the KL,
-# and the speed bf16 is for — decoding — comes from the bytes, not from bf16 arithmetic. The
-# price is the prefill's speed on CPUs with bf16 instructions. `activations=torch.bfloat16`
-# stays one argument away, for long prompts on such a CPU, or on a GPU, where bf16 arithmetic
-# is the fast path.
+# So the course keeps **fp32 activations** as the default: on real text they had several times
+# fewer positions with a different best token than bf16 activations, and a far smaller KL
+# (the ratios printed above; the cell after them checks the direction, and the KL ratio's
+# floor), and the speed bf16 is for — decoding — comes from the bytes, not from bf16
+# arithmetic. The price is the prefill's speed on CPUs with bf16 instructions.
+# `activations=torch.bfloat16` stays one argument away, for long prompts on such a CPU, or on
+# a GPU, where bf16 arithmetic is the fast path.
 #
 # ## Summary
 #

@@ -694,7 +694,10 @@ else:
 #
 # `flash_attention` registered itself as the backend `"flash"`. For decoding (`q_len = 1`
 # against the KV cache) the same kernel runs with one query block; the causal offset makes the
-# single query see every cached key. A short greedy generation must give exactly the tokens of
+# single query see every cached key. The backend runs the kernel only where it can: on CUDA
+# tensors, or on CPU tensors under the interpreter in float32 or float16; elsewhere (CPU tensors
+# with a compiled Triton, bfloat16 under the interpreter, no Triton) it runs `tiled_attention`.
+# The model goes where the kernel runs. A short greedy generation must give exactly the tokens of
 # PyTorch's SDPA backend:
 
 # %%

@@ -88,7 +88,7 @@ def test_cache_writes_in_place_and_a_new_request_starts_again_at_zero(tiny):
 def test_full_cache_is_refused_with_the_numbers(tiny):
     model, _ = tiny
     cache = KVCache(model.config, 1, 4)
-    with pytest.raises(CacheFullError, match=r"holds 4 positions; 6 were written at column 0.*max_len ≥"), \
+    with pytest.raises(CacheFullError, match=r"holds 4 positions; writing 6 at column 0 needs 6.*max_len ≥"), \
             torch.inference_mode():
         chunked_logits(model, torch.arange(3, 9)[None], cache, [6])
 
@@ -300,7 +300,8 @@ def wrong_loop(name: str, **mistake):
         batch = left_pad(prompts, pad_id=0, device=device)
         rows, width = batch.input_ids.shape
         dtype = torch.float32 if mistake.get("fp32_cache") else model.embed_tokens.weight.dtype
-        cache = KVCache(model.config, rows, width + steps + 1, dtype=dtype, device=device)
+        length = width if mistake.get("no_room_to_decode") else width + steps + 1
+        cache = KVCache(model.config, rows, length, dtype=dtype, device=device)
         is_real = batch.is_real
         positions = torch.arange(width).expand(rows, width) if mistake.get("prefill_positions") else batch.positions
         mask = None if mistake.get("no_prefill_mask") else attention_mask(is_real, width)
@@ -316,11 +317,15 @@ def wrong_loop(name: str, **mistake):
                 return
             if mistake.get("columns_as_positions"):
                 positions = torch.full((rows, 1), width + step)
-            else:
+            elif not mistake.get("positions_after_append"):
                 positions = next_positions(is_real)
             if not mistake.get("stale_mask"):
                 is_real = torch.cat([is_real, torch.ones_like(is_real[:, :1])], dim=1)
+            if mistake.get("positions_after_append"):
+                positions = next_positions(is_real)
             mask = None if mistake.get("no_decode_mask") else attention_mask(is_real, 1)
+            if mistake.get("square_decode_mask"):
+                mask = attention_mask(is_real, is_real.shape[1])
             new_ids = torch.tensor(tokens)[:, None]
             if mistake.get("new_cache_each_step"):
                 cache = KVCache(model.config, rows, width + steps + 1, dtype=dtype, device=device)
@@ -351,6 +356,9 @@ def wrong_loop(name: str, **mistake):
     (wrong_loop("extra_pass", extra_pass=True), "once more after yielding the last tokens"),
     (wrong_loop("no_append", no_append=True), "append every new token"),
     (wrong_loop("fp32_cache", fp32_cache=True), "allocate it in the weights' dtype"),
+    (wrong_loop("no_room_to_decode", no_room_to_decode=True), "room for the padded prompt plus every new token"),
+    (wrong_loop("positions_after_append", positions_after_append=True), "positions are one too far"),
+    (wrong_loop("square_decode_mask", square_decode_mask=True), r"mask is \(1, 1, 7, 7\).*one query row"),
 ])
 def test_cached_steps_check_names_the_mistake(wrong, message):
     with names_the_mistake("4.3", message):
@@ -397,6 +405,19 @@ def weights_in_fp32(model, context, cache_dtype):
     return 4 * sum(p.numel() for p in model.parameters()) + kv_cache_bytes(model.config, context, 1, cache_dtype)
 
 
+def matrices_only(model, context, cache_dtype):
+    return sum(p.nbytes for p in model.parameters() if p.dim() == 2) + kv_cache_bytes(model.config, context, 1, cache_dtype)
+
+
+def one_position_too_many(model, context, cache_dtype):
+    return sum(p.nbytes for p in model.parameters()) + kv_cache_bytes(model.config, context + 1, 1, cache_dtype)
+
+
+def state_dict_bytes(model, context, cache_dtype):
+    """``state_dict`` names a tied table twice, as the embedding and as the head."""
+    return sum(t.nbytes for t in model.state_dict().values()) + kv_cache_bytes(model.config, context, 1, cache_dtype)
+
+
 @mutants("4.4", [
     (bytes_without_cache, "left out the cache"),
     (bytes_of_every_parameter, "counted the embedding table"),
@@ -405,6 +426,9 @@ def weights_in_fp32(model, context, cache_dtype):
     (keys_only, "keys and values: twice"),
     (cache_in_fp32, "count the cache in cache_dtype"),
     (weights_in_fp32, "dtype it is stored in"),
+    (matrices_only, "left out the norms"),
+    (one_position_too_many, r"context \+ 1 cached positions"),
+    (state_dict_bytes, "tied table counted twice"),
 ])
 def test_decode_bytes_check_names_the_mistake(wrong, message):
     with names_the_mistake("4.4", message):
@@ -424,6 +448,29 @@ def test_smollm2_decode_bytes_are_its_weights_plus_the_cache(real_model_dir):
 def test_read_bandwidth_is_a_plausible_rate():
     best, median = read_bandwidth(megabytes=64, repeats=3)
     assert 1e8 < median <= best < 1e13
+
+
+def fake_clock(read_seconds: list[float]):
+    """A stand-in for ``time.perf_counter`` under which the n-th timed read lasts ``read_seconds[n]``."""
+    now, ticks = 0.0, []
+    for seconds in read_seconds:
+        ticks += [now, now + seconds]
+        now += seconds + 1.0
+    return iter(ticks).__next__
+
+
+def test_read_bandwidth_drops_the_first_pass_only_over_its_own_buffer(monkeypatch):
+    """Each pass keeps its faster read; a fresh buffer's first pass (page faults) is not counted."""
+    import aie_lessons.roofline as roofline
+
+    # Passes of (sum, mv) reads: the first is slow (faulting), then 2 s and 4 s passes.
+    reads = [8.0, 9.0, 2.0, 3.0, 5.0, 4.0]
+    monkeypatch.setattr(roofline.time, "perf_counter", fake_clock(reads))
+    nbytes = 4 * 2**20
+    assert read_bandwidth(megabytes=4, repeats=2) == (nbytes / 2.0, nbytes / 3.0)
+    buffer = torch.ones(2**20)  # already touched by the caller: every pass counts
+    monkeypatch.setattr(roofline.time, "perf_counter", fake_clock(reads[:4]))
+    assert read_bandwidth(repeats=2, buffer=buffer) == (nbytes / 2.0, nbytes / 5.0)
 
 
 # --- 4.5: wrong agreements --------------------------------------------------------------------

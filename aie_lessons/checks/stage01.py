@@ -580,8 +580,9 @@ def check_llama_forward(model_cls) -> None:
     # the wiring of forward is judged here: a mistake in 1.1–1.5 fails its own check, not this one.
     with isolated(inspect.unwrap(model_cls.forward), rope_cos_sin=_rope_tables):
         _check_llama_forward(model_cls)
-    passed("1.6", "embed → RoPE tables from the positions → every layer in order → norm → fp32 head, "
-                  "in fp32 and bf16, last_position_only included")
+    passed("1.6", "embed → RoPE tables from the positions and the config's base → every layer in "
+                  "order → norm → head computed in fp32, in fp32 and bf16, last_position_only "
+                  "sparing the head the other positions")
 
 
 def _check_llama_forward(model_cls) -> None:
@@ -760,7 +761,8 @@ def check_streaming_detokenizer(detokenizer_cls, tokenizer) -> None:
                            "BPE tokenizer (SmolLM2's)")
     _check_bytes_that_never_complete(detokenizer_cls, tokenizer)
     passed("1.8", f"streamed text is exact, no U+FFFD ({split_characters} tokens held partial "
-                  "characters)")
+                  "characters); a byte that never completes shows as U+FFFD and the text after it "
+                  "still comes, and flush() ends an unfinished character")
 
 
 def _byte_token(tokenizer, byte: int) -> int:
@@ -1080,7 +1082,7 @@ def check_output_stream(stream_cls, tokenizer) -> None:
     with isolated(inspect.unwrap(stream_cls.__init__), StreamingDetokenizer=_ReferenceDetokenizer):
         _check_stop_rules(stream_cls, tokenizer)
     passed("1.11", "a stop token ends the answer unseen, a stop string is cut, max_new_tokens is exact, "
-                   "the text streams as it comes")
+                   "the text streams as it comes and what was held back is released at the end")
 
 
 def _check_stop_rules(stream_cls, tokenizer) -> None:

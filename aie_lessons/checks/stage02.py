@@ -8,6 +8,7 @@ failure can say which mistake it was.
 from __future__ import annotations
 
 import math
+from collections import Counter
 from contextlib import contextmanager
 
 import torch
@@ -317,8 +318,6 @@ def check_attention_layer(attention_layer, model) -> None:
 
     2.1 and 2.5 are replaced by references while it runs, so that only 2.4's mistakes fail it.
     """
-    from collections import Counter
-
     from aie_lessons.model import apply_rope, rope_cos_sin
 
     attn = model.layers[0].self_attn
@@ -373,7 +372,7 @@ def check_attention_layer(attention_layer, model) -> None:
                     "and v as \"B Hkv S D\" right after splitting the heads, so that a wrong split "
                     "stops at the tensor that is wrong")
     passed("2.4", "the hand-written layer matches the model's attention (RoPE on q and k only), "
-                  "with and without a padding mask")
+                  "with and without a padding mask, q, k and v checked with dims")
 
 
 # --- 2.5 -------------------------------------------------------------------------------------

@@ -171,4 +171,4 @@ def check_attention_mask(attention_mask) -> None:
         fail("3.3", f"for is_real on the 'meta' device the mask came back on {got.device}: "
                     "create it on is_real's device")
     passed("3.3", "causal ∧ real keys, every query sees itself, for 4 batches: prefill, a chunk "
-                  "after cached keys, decode, random padding")
+                  "after cached keys, decode, random padding; on is_real's device")

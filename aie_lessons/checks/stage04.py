@@ -15,6 +15,7 @@ from aie_lessons.checks.common import CheckFailed, call, expect_shape, fail, iso
 
 # --- 4.1 the cache -------------------------------------------------------------------------------
 def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors share memory: a view of the cache does, a copy does not."""
     return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
 
@@ -30,6 +31,7 @@ def _expect_refusal(cache, layer: int, k: torch.Tensor, v: torch.Tensor, start: 
 
 
 def _check_cache_in(cache_cls, config, dtype: torch.dtype, g: torch.Generator) -> None:
+    """One cache in ``dtype``: a prefill, a decode step, a new request, then the bounds."""
     batch, max_len, prompt = 3, 12, 5
     hkv, d, layers = config.num_kv_heads, config.head_dim, config.num_layers
     layer = layers - 1  # the last layer, so that writing into layer 0 (or all) shows
@@ -133,6 +135,7 @@ def _check_cache_in(cache_cls, config, dtype: torch.dtype, g: torch.Generator) -
 
 
 def check_kv_cache(cache_cls, config) -> None:
+    """Exercise 4.1: ``cache_cls(config, batch_size, max_len, dtype)``'s ``update``, in fp32 and bf16."""
     g = torch.Generator().manual_seed(4)
     for dtype in (torch.float32, torch.bfloat16):
         _check_cache_in(cache_cls, config, dtype, g)
@@ -142,11 +145,13 @@ def check_kv_cache(cache_cls, config) -> None:
 
 # --- 4.2 next positions -----------------------------------------------------------------------------
 def _left_padded_is_real(counts: list[int], width: int) -> torch.Tensor:
+    """(B, width) booleans: row i's last ``counts[i]`` columns are real, the rest left padding."""
     columns = torch.arange(width)
     return columns[None, :] >= width - torch.tensor(counts)[:, None]
 
 
 def check_next_positions(next_positions) -> None:
+    """Exercise 4.2: the usual mistakes on a fixed example first, then random paddings."""
     is_real = torch.tensor([[True, True, True, True], [False, False, True, True]])
     got = call("4.2", next_positions, is_real)
     if isinstance(got, torch.Tensor) and tuple(got.shape) == (2,):
@@ -289,12 +294,14 @@ def _reference_next_positions(is_real):
 
 
 def _as_int(value) -> object:
+    """A one-element tensor as an int (a learner may pass ``cache_start`` either way)."""
     if isinstance(value, torch.Tensor) and value.numel() == 1:
         return int(value.item())
     return value
 
 
 def _penalized_argmax(logits: torch.Tensor, history: list[int], penalty: float) -> int:
+    """The greedy token after the repetition penalty over ``history``: what sample_next must pick."""
     if penalty != 1.0:
         seen = torch.tensor(sorted(set(history)))
         values = logits[seen]
@@ -304,6 +311,7 @@ def _penalized_argmax(logits: torch.Tensor, history: list[int], penalty: float) 
 
 
 def _check_prefill(first: _Call, batch, cache, padded: bool) -> None:
+    """The first forward call: the whole padded batch, its positions and mask, cache column 0."""
     rows, width = batch.input_ids.shape
     if tuple(first.ids.shape) != (rows, width):
         fail("4.3", f"the first forward pass got ids of shape {tuple(first.ids.shape)}: prefill the "
@@ -339,6 +347,7 @@ def _check_prefill(first: _Call, batch, cache, padded: bool) -> None:
 
 def _check_decode(call_: _Call, step: int, tokens: list[int], batch, caches: list, counts: list[int],
                   padded: bool) -> None:
+    """Decode call ``step``: the tokens just yielded, (B, 1), at their positions and the next column."""
     rows, width = batch.input_ids.shape
     column, cache = width + step, caches[0]
     if call_.ids.shape[-1] != 1:
@@ -381,6 +390,9 @@ def _check_decode(call_: _Call, step: int, tokens: list[int], batch, caches: lis
                         f"real tokens, {expected}")
         if got == [[e[0] - 1] for e in expected]:
             fail("4.3", f"decode step {step}'s positions are one short, {got}: after n tokens the next is at n")
+        if got == [[e[0] + 1] for e in expected]:
+            fail("4.3", f"decode step {step}'s positions are one too far, {got}: take them before marking "
+                        "the new column real — n real tokens so far put the new one at position n")
         fail("4.3", f"decode step {step}'s RoPE positions should be {expected}, got "
                     f"{call_.positions.tolist()}")
     if call_.mask is None and padded:
@@ -388,6 +400,9 @@ def _check_decode(call_: _Call, step: int, tokens: list[int], batch, caches: lis
                     "Keep a mask that hides each row's padding columns")
     if call_.mask is not None:
         kv_len = column + 1
+        if call_.mask.dim() != 4 or call_.mask.shape[-2] != 1:
+            fail("4.3", f"decode step {step}'s mask is {tuple(call_.mask.shape)}: one new token per sequence "
+                        f"is one query row, so the mask is (B, 1, 1, {kv_len}): one row, one column per key")
         if call_.mask.shape[-1] != kv_len:
             fail("4.3", f"decode step {step}'s mask covers {call_.mask.shape[-1]} key columns, but "
                         f"attention reads {kv_len}: add one real column per decoded token")
@@ -399,6 +414,7 @@ def _check_decode(call_: _Call, step: int, tokens: list[int], batch, caches: lis
 
 def _run_case(cached_steps, prompts: list[list[int]], params: list, weight_dtype: torch.dtype, layers: int,
               seed: int) -> None:
+    """Run the loop on one random model, judging each call as it comes, then every step's logits."""
     model = _random_model(layers, weight_dtype, tie=False, seed=seed, cls=_spy_class())
     allocations = _Allocations()
     references = {"KVCache": _reference_cache_class(allocations), "left_pad": _reference_left_pad,
@@ -468,6 +484,7 @@ def _run_case(cached_steps, prompts: list[list[int]], params: list, weight_dtype
 
 
 def check_cached_steps(cached_steps) -> None:
+    """Exercise 4.3: unpadded and padded batches, a repetition penalty, fp32 and bf16 weights."""
     from aie_lessons.sampling import SamplingParams
 
     greedy = SamplingParams(max_new_tokens=5, ignore_eos=True)
@@ -487,6 +504,7 @@ def check_cached_steps(cached_steps) -> None:
 
 # --- 4.4 bytes per token -----------------------------------------------------------------------
 def check_decode_bytes(decode_bytes_per_token) -> None:
+    """Exercise 4.4: tied and untied heads, fp32 and bf16 weights, caches of several lengths and dtypes."""
     for tie in (True, False):
         for weight_dtype in (torch.float32, torch.bfloat16):
             model = _random_model(3, weight_dtype, tie=tie, seed=7)
@@ -508,6 +526,13 @@ def check_decode_bytes(decode_bytes_per_token) -> None:
                     fail("4.4", f"return a Python int (a count of bytes), got {type(got).__name__}")
                 if got == expected:
                     continue
+                norms = (2 * config.num_layers + 1) * config.hidden_size * size
+                if got == expected - norms:
+                    fail("4.4", f"you left out the norms' weights {what}: every RMSNorm reads its scale "
+                                "vector too; count every parameter, not only the matrices")
+                if got == expected + cache // context:
+                    fail("4.4", f"you counted context + 1 cached positions {what}: context already "
+                                "includes the new token's own position")
                 if got == weights:
                     fail("4.4", f"you left out the cache {what}: attention reads every cached key and value, "
                                 "and at long contexts that is a large share of the bytes")
@@ -542,6 +567,7 @@ def _kl(p_logits: torch.Tensor, q_logits: torch.Tensor) -> torch.Tensor:
 
 
 def check_agreement(agreement) -> None:
+    """Exercise 4.5: a noisy copy of random logits, and a shifted one whose probabilities are equal."""
     g = torch.Generator().manual_seed(43)
     positions, vocab = 6, 50
     reference = torch.randn(positions, vocab, generator=g) * 3

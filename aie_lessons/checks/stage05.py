@@ -528,7 +528,8 @@ def _padded(t: torch.Tensor, pad: int, fill: float, layout: str) -> tuple[torch.
 def _run_kernel(flash: Callable, q, k, v, causal: bool, block: int, layout: str):
     """Run the learner's kernel on guarded views: Q, K, V padded with NaN rows, O with sentinel
     rows, the log-sum-exp followed by a sentinel block; watch it under the interpreter. Fails with
-    the store or load that is not masked; else returns (out, lse) on the CPU."""
+    the store or load that is not masked; else returns (out, lse) on the CPU, and whether the
+    loads were watched."""
     q_buffer, q_view = _padded(q, block, float("nan"), layout)
     k_buffer, k_view = _padded(k, block, float("nan"), layout)
     v_buffer, v_view = _padded(v, block, float("nan"), layout)
@@ -557,7 +558,7 @@ def _run_kernel(flash: Callable, q, k, v, causal: bool, block: int, layout: str)
     if (lse_buffer[q.shape[:-1].numel():] != SENTINEL).any():
         fail("5.5", "the LSE store must be masked to rows below q_len: the last query block wrote "
                     "past the end of the log-sum-exp")
-    return out.cpu(), lse.cpu()
+    return out.cpu(), lse.cpu(), watch.active
 
 
 def _describe(case) -> str:
@@ -601,7 +602,7 @@ def _check_causal_skip(flash: Callable, block: int) -> None:
     g = torch.Generator().manual_seed(11)
     q, k, v = (torch.randn(1, heads, 4 * block, 32, generator=g) for heads in (2, 1, 1))
     v[..., 3 * block:, :] = float("nan")
-    out, _ = _run_kernel(flash, q, k, v, True, block, "contiguous")
+    out, _, _ = _run_kernel(flash, q, k, v, True, block, "contiguous")
     seen = 3 * block  # the first three query blocks see only the first three key tiles
     expected, _ = _reference(q[..., :seen, :], k[..., :seen, :], v[..., :seen, :], True)
     if not close(out[..., :seen, :], expected, atol=1e-5):
@@ -620,10 +621,12 @@ def check_flash_kernel(flash: Callable, has_triton: bool) -> None:
         return
     _inspect_kernel_source(flash)
     g, block = torch.Generator().manual_seed(6), 16
+    watched = True
     for case in _kernel_cases(g):
         causal, dtype = case[6], case[7]
         q, k, v = _kernel_inputs(case, g)
-        out, lse = _run_kernel(flash, q, k, v, causal, block, case[8])
+        out, lse, watched_here = _run_kernel(flash, q, k, v, causal, block, case[8])
+        watched &= watched_here
         expected, expected_lse = _reference(q, k, v, causal)
         tolerance = 1e-5 if dtype == torch.float32 else 2e-3
         if not close(out, expected, atol=tolerance):
@@ -634,8 +637,10 @@ def check_flash_kernel(flash: Callable, has_triton: bool) -> None:
                 fail("5.5", "the log-sum-exp is m + log(l): you stored only one of the two terms")
             fail("5.5", f"the log-sum-exp is wrong for {_describe(case)}: store m + log(l) per row")
     _check_causal_skip(flash, block)
+    masks = "masked loads and stores" if watched else "masked K/V loads and stores (the Q load is " \
+        "watched only under the interpreter)"
     passed("5.5", "tiles of keys with tail and causal masks and the causal block skip, GQA, decode "
-                  "and chunked queries, strided K/V, float32 and float16, masked loads and stores: "
+                  f"and chunked queries, strided K/V, float32 and float16, {masks}: "
                   "the kernel matches softmax(q·kᵀ/√D)·v")
 
 
