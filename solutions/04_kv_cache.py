@@ -1151,8 +1151,8 @@ print("best two first tokens:", [tokenizer.decode([i]) for i in best.indices.tol
 print(f"fp32 logits {best.values[0]:.1f} and {best.values[1]:.1f}: "
       f"{best.values[0] - best.values[1]:.2f} apart")
 print("every bf16 number from 25 to 26:", sorted(set(torch.linspace(25, 26, 257).bfloat16().tolist())))
-print("significand bits, the leading 1 included: bf16", torch.finfo(torch.bfloat16).nmant + 1,
-      "fp32", torch.finfo(torch.float32).nmant + 1)
+print("significand bits, the leading 1 included: bf16", int(1 / torch.finfo(torch.bfloat16).eps).bit_length(),
+      "fp32", int(1 / torch.finfo(torch.float32).eps).bit_length())
 
 # %% [markdown]
 # The two candidates are closer than one bf16 step. Rounded to bf16 they can land on the same
