@@ -252,7 +252,9 @@ checks.stage04.check_next_positions(next_positions)
 # penalty, so append every new token) and `steps`. Write the rest:
 #
 # 1. left-pad the prompts (stage 03's `left_pad`) and allocate one `KVCache` for the batch, in
-#    the model's weight dtype, long enough for the padded prompt and every new token;
+#    the model's weight dtype, long enough for the padded prompt and every new token — and no
+#    longer: a cache is allocated per request, and one of the model's whole context would hold
+#    memory that other requests need;
 # 2. **prefill**: one forward pass over the padded batch with its RoPE positions and its
 #    attention mask (stage 03's `attention_mask`: causal, padding hidden), writing the cache
 #    from column 0; only the last position's logits are needed;
@@ -265,8 +267,9 @@ checks.stage04.check_next_positions(next_positions)
 #
 # When no prompt is padded (one prompt, or prompts of one length), the model's default causal
 # mask is the right one and you may pass `None`. The check runs your loop on small random
-# models — several layers, fp32 and bf16, prompts of different lengths — and compares every
-# step's logits with a recomputation of each sequence alone, without cache or padding.
+# models — several layers, fp32 and bf16, prompts of different lengths, greedy and seeded
+# sampling — and compares every step's logits with a recomputation of each sequence alone,
+# without cache or padding, and every sampled token with its own generator's next draw.
 
 # %%
 # export: cached_generate
@@ -279,7 +282,7 @@ def cached_steps(model: LlamaModel, prompts: list[list[int]], params: list[Sampl
     steps = max(p.max_new_tokens for p in params)
     # BEGIN EXERCISE 4.3: yield each step's next token of every prompt: prefill the padded prompts once into a new cache, then decode one token per sequence per step
     # Hint 1: Every key and value the model has computed stays in the cache, so after one pass over the prompts each step only computes the newest token; its RoPE position counts its own sequence's real tokens, while its cache column, shared by the batch, counts padding too.
-    # Hint 2: Allocate the cache for the padded width plus the steps; prefill with the batch's ids, positions and mask at cache column 0, keeping only the last position; then loop over the steps: sample, append, yield, return after the last, otherwise mark one more real column, take the positions from exercise 4.2, build a one-query mask and run the model on the new ids as a column at cache column width + step.
+    # Hint 2: Allocate the cache for the padded width plus the steps; prefill with the batch's ids, positions and mask at cache column 0, keeping only the last position; then loop over the steps: sample, append, yield, return after the last, otherwise take the positions from exercise 4.2 first, then mark one more real column, build a one-query mask and run the model on the new ids as a column at cache column width + step.
     batch = left_pad(prompts, pad_id=0, device=device)  # any id works: padding is masked out
     width = batch.input_ids.shape[1]
     cache = KVCache(model.config, len(prompts), width + steps, dtype=model.embed_tokens.weight.dtype,
@@ -331,7 +334,11 @@ checks.stage04.check_cached_steps(cached_steps)
 #
 # 1. cache on = cache off, for one prompt and for a padded batch;
 # 2. prefill of N tokens then decoding the rest gives the same logits as recomputing everything;
-# 3. a request that does not fit is refused with the numbers.
+# 3. a request that does not fit is refused with the numbers, by two guards: `run_batch`
+#    (through `check_prompt`) refuses a prompt plus `max_new_tokens` longer than the model's
+#    context before anything runs (`ContextLengthError`), and your cache from exercise 4.1
+#    refuses any write past its `max_len` (`CacheFullError`) — the guard for a caller that
+#    sizes a cache itself.
 #
 # The first two run twice: with PyTorch's attention, and with the attention you wrote in
 # stage 02 (the `manual` backend, which its module registers when imported).
@@ -374,10 +381,19 @@ for backend in ("sdpa", "manual"):
 model.set_attention_backend("sdpa")
 
 # %%
-try:
+try:  # the first guard: the request is refused before the cache is allocated
     generate_cached(model, tokenizer, [[1] * 8000], SamplingParams(max_new_tokens=500))
 except ValueError as error:
     print(type(error).__name__ + ":", error)
+
+# %%
+small = KVCache(config, batch_size=1, max_len=8)
+new_keys = torch.zeros(1, config.num_kv_heads, 3, config.head_dim)
+try:  # the second guard, your exercise 4.1: 3 positions from column 6 need 9 columns
+    small.update(0, new_keys, new_keys, start=6)
+except CacheFullError as error:
+    print(type(error).__name__ + ":", error)
+print("the refused write left the cache empty:", not small.keys.any().item())
 
 # %% [markdown]
 # ## 5. Time per token, with and without the cache
@@ -486,9 +502,10 @@ def read_bandwidth(
 #
 # * every weight of the model once, in the dtype it is stored in (fp32 or bf16), norms
 #   included; the output head is a matrix like the others;
-# * but the embedding lookup reads a single row of its table: do not count the table as such.
-#   When the model *ties* its output head to it (SmolLM2 does), the table is read whole
-#   anyway — as the head — and counts once;
+# * but the embedding lookup reads a single row of its table: that row is negligible beside the
+#   matrices and is **not counted**, and neither is the table as such. When the model *ties*
+#   its output head to it (SmolLM2 does), the table is read whole anyway — as the head — and
+#   counts once;
 # * the cache: the keys and values of `context` positions in every layer and kv head, in
 #   `cache_dtype` (`kv_cache_bytes` from section 1 gives it).
 
@@ -1240,7 +1257,6 @@ checks.stage04.check_agreement(agreement)
 # %%
 # NBVAL_IGNORE_OUTPUT
 from aie_lessons.infra.paths import DATA_DIR
-from aie_lessons.precision import agreement, teacher_forced_logits
 
 text_ids = tokenizer.encode((DATA_DIR / "prose" / "lighthouses.txt").read_text())
 reference_logits = teacher_forced_logits(model, text_ids, window=256)

@@ -300,7 +300,8 @@ def wrong_loop(name: str, **mistake):
         batch = left_pad(prompts, pad_id=0, device=device)
         rows, width = batch.input_ids.shape
         dtype = torch.float32 if mistake.get("fp32_cache") else model.embed_tokens.weight.dtype
-        length = width if mistake.get("no_room_to_decode") else width + steps + 1
+        length = {"no_room_to_decode": width, "oversized_cache": model.config.max_position_embeddings}.get(
+            next((m for m in ("no_room_to_decode", "oversized_cache") if mistake.get(m)), ""), width + steps)
         cache = KVCache(model.config, rows, length, dtype=dtype, device=device)
         is_real = batch.is_real
         positions = torch.arange(width).expand(rows, width) if mistake.get("prefill_positions") else batch.positions
@@ -308,6 +309,8 @@ def wrong_loop(name: str, **mistake):
         logits = model(batch.input_ids, positions, mask, cache, cache_start=0, last_position_only=True)
         ids = batch.input_ids
         for step in range(steps):
+            if mistake.get("generators_each_step"):
+                generators = [make_generator(p.seed, device) for p in params]
             tokens = sample_next(logits, params, generators, sequences)
             if not mistake.get("no_append"):
                 for sequence, token in zip(sequences, tokens):
@@ -328,7 +331,7 @@ def wrong_loop(name: str, **mistake):
                 mask = attention_mask(is_real, is_real.shape[1])
             new_ids = torch.tensor(tokens)[:, None]
             if mistake.get("new_cache_each_step"):
-                cache = KVCache(model.config, rows, width + steps + 1, dtype=dtype, device=device)
+                cache = KVCache(model.config, rows, width + steps, dtype=dtype, device=device)
             column = {"not_advanced": width, "previous_column": width + step - 1}.get(
                 next((m for m in ("not_advanced", "previous_column") if mistake.get(m)), ""), width + step)
             if mistake.get("whole_sequence"):
@@ -359,6 +362,8 @@ def wrong_loop(name: str, **mistake):
     (wrong_loop("no_room_to_decode", no_room_to_decode=True), "room for the padded prompt plus every new token"),
     (wrong_loop("positions_after_append", positions_after_append=True), "positions are one too far"),
     (wrong_loop("square_decode_mask", square_decode_mask=True), r"mask is \(1, 1, 7, 7\).*one query row"),
+    (wrong_loop("generators_each_step", generators_each_step=True), "re-created the generators every step"),
+    (wrong_loop("oversized_cache", oversized_cache=True), r"the cache holds 64 positions.*size it for the request"),
 ])
 def test_cached_steps_check_names_the_mistake(wrong, message):
     with names_the_mistake("4.3", message):
@@ -413,6 +418,16 @@ def one_position_too_many(model, context, cache_dtype):
     return sum(p.nbytes for p in model.parameters()) + kv_cache_bytes(model.config, context + 1, 1, cache_dtype)
 
 
+def one_position_short(model, context, cache_dtype):
+    return (decode_bytes_per_token(model, context, cache_dtype)
+            - kv_cache_bytes(model.config, 1, 1, cache_dtype))
+
+
+def one_embedding_row(model, context, cache_dtype):
+    """Adds the row the lookup reads: negligible, and left out by the exercise's count."""
+    return decode_bytes_per_token(model, context, cache_dtype) + model.embed_tokens.weight[0].nbytes
+
+
 def state_dict_bytes(model, context, cache_dtype):
     """``state_dict`` names a tied table twice, as the embedding and as the head."""
     return sum(t.nbytes for t in model.state_dict().values()) + kv_cache_bytes(model.config, context, 1, cache_dtype)
@@ -429,6 +444,8 @@ def state_dict_bytes(model, context, cache_dtype):
     (matrices_only, "left out the norms"),
     (one_position_too_many, r"context \+ 1 cached positions"),
     (state_dict_bytes, "tied table counted twice"),
+    (one_position_short, r"context − 1 cached positions"),
+    (one_embedding_row, "embedding's one row"),
 ])
 def test_decode_bytes_check_names_the_mistake(wrong, message):
     with names_the_mistake("4.4", message):
@@ -509,6 +526,10 @@ def agreement_with(name, kl=None, top1=None, max_error=None, floats=True):
      "last axis"),
     (agreement_with("mean_error", max_error=lambda r, l, *_: (r - l).abs().mean()), "mean |logit difference|"),
     (agreement_with("tensors", floats=False), "return Python floats"),
+    (agreement_with("signed_max", max_error=lambda r, l, *_: (l - r).max()), "largest signed difference"),
+    (agreement_with("signed_max_other_way", max_error=lambda r, l, *_: (r - l).max()), "largest signed difference"),
+    (agreement_with("log_probability_gap", max_error=lambda r, l, log_p, log_q: (log_p - log_q).abs().max()),
+     "you compared log-probabilities"),
 ])
 def test_agreement_check_names_the_mistake(wrong, message):
     with names_the_mistake("4.5", message):

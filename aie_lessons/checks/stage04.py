@@ -415,6 +415,8 @@ def _check_decode(call_: _Call, step: int, tokens: list[int], batch, caches: lis
 def _run_case(cached_steps, prompts: list[list[int]], params: list, weight_dtype: torch.dtype, layers: int,
               seed: int) -> None:
     """Run the loop on one random model, judging each call as it comes, then every step's logits."""
+    from aie_lessons.sampling import make_generator, sample_row
+
     model = _random_model(layers, weight_dtype, tie=False, seed=seed, cls=_spy_class())
     allocations = _Allocations()
     references = {"KVCache": _reference_cache_class(allocations), "left_pad": _reference_left_pad,
@@ -436,6 +438,11 @@ def _run_case(cached_steps, prompts: list[list[int]], params: list, weight_dtype
             if cache.dtype != weight_dtype:
                 fail("4.3", f"the cache is {cache.dtype} for a model whose weights are {weight_dtype}: "
                             "allocate it in the weights' dtype (a bf16 cache halves the bytes each step reads)")
+            if cache.max_len > width + steps:
+                fail("4.3", f"the cache holds {cache.max_len} positions, but this request writes at most "
+                            f"{width + steps} (the padded prompt's {width} plus {steps} new tokens): size it "
+                            "for the request — a cache of the model's whole context per request wastes "
+                            "memory that could hold other requests")
             _check_prefill(call_, batch, cache, padded)
         elif index >= steps:
             fail("4.3", "the loop ran the model once more after yielding the last tokens: return right "
@@ -466,6 +473,9 @@ def _run_case(cached_steps, prompts: list[list[int]], params: list, weight_dtype
         fail("4.3", f"the model ran {len(model.calls)} times for {steps} new tokens: one prefill, then one "
                     "decode step per new token but the last")
     histories = [list(p) for p in prompts]
+    # The check's own generators, made once per request as the loop must: a sampled row's token
+    # at step n is the n-th draw of its seeded stream from the logits the loop computed.
+    generators = [make_generator(p.seed) for p in params]
     tolerance = 1e-3 if weight_dtype == torch.float32 else 0.15  # a bf16 cache rounds k and v
     for step, (call_, tokens) in enumerate(zip(model.calls, yielded)):
         for row, history in enumerate(histories):
@@ -474,6 +484,20 @@ def _run_case(cached_steps, prompts: list[list[int]], params: list, weight_dtype
                 error = (call_.logits[row] - reference).abs().max().item()
                 fail("4.3", f"step {step}: sequence {row}'s logits differ from recomputing it alone "
                             f"without a cache (max |Δ| {error:.3g}; {what})")
+            if not params[row].greedy:
+                expected = sample_row(call_.logits[row], params[row], generators[row], history)
+                if tokens[row] == expected:
+                    continue
+                fresh = sample_row(call_.logits[row], params[row], make_generator(params[row].seed), history)
+                if step > 0 and tokens[row] == fresh:
+                    fail("4.3", f"step {step}: sequence {row} drew token {tokens[row]}, the first draw of a "
+                                f"fresh generator, not the {step + 1}th draw of its stream ({expected}): you "
+                                "re-created the generators every step; make them once per request, before "
+                                "the loop, so that each step draws the next number")
+                fail("4.3", f"step {step}: sequence {row}, sampled (temperature {params[row].temperature}, "
+                            f"seed {params[row].seed}), got token {tokens[row]}, but drawing from its "
+                            f"logits with its own generator gives {expected}: pass sample_next the "
+                            "generators made once before the loop, and append every new token to sequences")
             expected = _penalized_argmax(call_.logits[row], history, params[row].repetition_penalty)
             if tokens[row] != expected:
                 fail("4.3", f"step {step}: sequence {row} got token {tokens[row]}, but its logits (with "
@@ -484,22 +508,26 @@ def _run_case(cached_steps, prompts: list[list[int]], params: list, weight_dtype
 
 
 def check_cached_steps(cached_steps) -> None:
-    """Exercise 4.3: unpadded and padded batches, a repetition penalty, fp32 and bf16 weights."""
+    """Exercise 4.3: unpadded and padded batches, a repetition penalty, seeded sampling, fp32 and bf16."""
     from aie_lessons.sampling import SamplingParams
 
     greedy = SamplingParams(max_new_tokens=5, ignore_eos=True)
     penalised = SamplingParams(max_new_tokens=4, ignore_eos=True, repetition_penalty=1.8)
+    sampled = [SamplingParams(max_new_tokens=6, ignore_eos=True, temperature=t, seed=s)
+               for t, s in ((1.5, 11), (2.0, 12))]
     cases = [
         ([[5, 9, 12, 7, 3, 30]], [greedy], torch.float32, 2),  # one prompt: no padding
         ([[5, 9, 12, 7, 3], [40, 41], [8, 6, 33, 2]], [greedy] * 3, torch.float32, 3),  # padded
         ([[11, 4, 9], [6, 50, 22, 13, 8, 17, 3]], [penalised, greedy], torch.float32, 2),
         ([[7, 7, 3, 19], [23], [4, 4, 4, 4, 4, 4]], [greedy] * 3, torch.bfloat16, 2),
+        ([[3, 14, 15, 9], [26, 5]], sampled, torch.float32, 2),  # sampled, seeded: one draw per step
     ]
     for seed, (prompts, params, dtype, layers) in enumerate(cases):
         _run_case(cached_steps, prompts, params, dtype, layers, seed)
-    passed("4.3", "one prefill of the padded batch, then one token per step at each sequence's own "
-                  "position and the next cache column: the logits of a recomputation without cache, "
-                  "for padded batches, several layers, fp32 and bf16")
+    passed("4.3", "one right-sized cache, one prefill of the padded batch, then one token per step at "
+                  "each sequence's own position and the next cache column: the logits of a recomputation "
+                  "without cache, and each seeded sequence's own draws, for padded batches, several "
+                  "layers, fp32 and bf16")
 
 
 # --- 4.4 bytes per token -----------------------------------------------------------------------
@@ -515,7 +543,8 @@ def check_decode_bytes(decode_bytes_per_token) -> None:
             # two norms, the final norm, and the output head (the embedding lookup reads one row).
             layer = sum(p.numel() for p in model.layers[0].parameters()) * size
             weights = config.num_layers * layer + config.hidden_size * size + table
-            for context, cache_dtype in ((1, torch.float32), (37, torch.bfloat16), (200, torch.float32)):
+            # No context of 1 or 2: there one position short would equal no cache, or keys only.
+            for context, cache_dtype in ((3, torch.float32), (37, torch.bfloat16), (200, torch.float32)):
                 cache_size = torch.empty((), dtype=cache_dtype).element_size()
                 cache = 2 * config.num_layers * config.num_kv_heads * config.head_dim * context * cache_size
                 expected = weights + cache
@@ -533,6 +562,12 @@ def check_decode_bytes(decode_bytes_per_token) -> None:
                 if got == expected + cache // context:
                     fail("4.4", f"you counted context + 1 cached positions {what}: context already "
                                 "includes the new token's own position")
+                if got == expected - cache // context:
+                    fail("4.4", f"you counted context − 1 cached positions {what}: context already "
+                                "includes the new token's own position, whose key and value are read too")
+                if got == expected + config.hidden_size * size:
+                    fail("4.4", f"you counted the embedding's one row {what}: beside the matrices it is "
+                                "negligible, and this count leaves it out")
                 if got == weights:
                     fail("4.4", f"you left out the cache {what}: attention reads every cached key and value, "
                                 "and at long contexts that is a large share of the bytes")
@@ -555,8 +590,8 @@ def check_decode_bytes(decode_bytes_per_token) -> None:
                                 "element size (nbytes does it)")
                 fail("4.4", f"expected {expected} bytes {what}: {weights} of weights and {cache} of "
                             f"cache; got {got}")
-    passed("4.4", "every weight once in its own dtype, the head (tied or not) once, no embedding table, "
-                  "and the keys and values of every cached position")
+    passed("4.4", "every weight once in its own dtype, the head (tied or not) once, no embedding table "
+                  "or row, and the keys and values of every cached position")
 
 
 # --- 4.5 agreement with fp32 ------------------------------------------------------------------
@@ -607,10 +642,26 @@ def check_agreement(agreement) -> None:
     if abs(got.mean_kl - expected) > 1e-4 * expected:
         fail("4.5", f"mean_kl should be {expected:.5f}, got {got.mean_kl:.5f}")
 
+    # Both orders: a signed maximum is right in one of them (the largest gap is positive one way,
+    # negative the other), so only the two together show a missing absolute value.
+    swapped = call("4.5", agreement, logits, reference)
     difference = (reference - logits).abs()
-    if abs(got.max_logit_error - difference.mean().item()) < 1e-5:
-        fail("4.5", "max_logit_error is the mean |logit difference|: take the largest one")
-    if abs(got.max_logit_error - difference.max().item()) > 1e-5:
-        fail("4.5", f"max_logit_error should be {difference.max().item():.4f}, the largest "
-                    f"|logit − reference logit| anywhere, got {got.max_logit_error:.4f}")
+    largest = difference.max().item()
+    log_gap = (reference.log_softmax(-1) - logits.log_softmax(-1)).abs().max().item()
+    for result in (got, swapped):
+        error = result.max_logit_error
+        if abs(error - difference.mean().item()) < 1e-5:
+            fail("4.5", "max_logit_error is the mean |logit difference|: take the largest one")
+        if abs(error - largest) <= 1e-5:
+            continue
+        if abs(error - log_gap) < 1e-4:
+            fail("4.5", f"max_logit_error should be {largest:.4f}, got {error:.4f}: you compared "
+                        "log-probabilities; the largest |logit difference| is on the raw logits")
+        if any(abs(error - signed) < 1e-5 for signed in ((reference - logits).max().item(),
+                                                         (logits - reference).max().item())):
+            fail("4.5", f"max_logit_error should be {largest:.4f}, got {error:.4f}: you took the largest "
+                        "signed difference; a logit too low is as wrong as one too high, take the "
+                        "largest absolute difference")
+        fail("4.5", f"max_logit_error should be {largest:.4f}, the largest |logit − reference logit| "
+                    f"anywhere, got {error:.4f}")
     passed("4.5", "top-1 agreement, mean KL(reference ‖ model) and the largest logit error are right")
