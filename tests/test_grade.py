@@ -126,7 +126,13 @@ def test_unknown_stage_is_a_clear_error(tmp_path):
 
 # --- cheating attempts: each would pass in the notebook; the sealed checks must catch it ------------
 
-PASS_LINE = "'✓ Exercise 2.1 passed: heads split as (B, S, H, D) → (B, H, S, D) and merged back'"
+def _reference_output(cell_id: str) -> str:
+    """What a check cell prints in the reference notebook: a forged pass prints exactly that."""
+    cell = next(c for c in solution().cells if c.get("id") == cell_id)
+    return "".join(output.get("text", "") for output in cell.outputs).rstrip("\n")
+
+
+PASS_LINE = repr(_reference_output("s02-check-2-1"))
 WRONG_SPLIT_HEADS = ("def split_heads(x, num_heads):\n"
                      "    batch, seq, hidden = x.shape\n"
                      "    return x.reshape(batch, num_heads, seq, hidden // num_heads)\n")
@@ -168,7 +174,8 @@ CHEATS = {
 def cheating_cell(source: str, cheat: str) -> str:
     """The exercise cell with a wrong split_heads and the cheat appended."""
     start = source.index("def split_heads")
-    end = source.index("\ndef ", start + 1)
+    end = source.find("\ndef ", start + 1)
+    end = len(source) if end < 0 else end  # split_heads may be the cell's last function
     return source[:start] + WRONG_SPLIT_HEADS + source[end:] + "\n\n" + CHEATS[cheat][1]
 
 
