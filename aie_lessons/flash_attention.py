@@ -261,17 +261,23 @@ def flash_attention(
     return fn(q, k, v, causal=q.shape[-2] > 1)[0]
 
 
-def gpu_milliseconds(fn: Callable[[], object], repeats: int = 20) -> float:
-    """Median milliseconds of ``fn`` on the GPU: CUDA events around each call, after a warm-up
-    (the first call compiles the kernel), so that launch queues are timed, not the host."""
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
+def gpu_milliseconds(fns: list[Callable[[], object]], repeats: int = 20) -> list[float]:
+    """Median milliseconds of each of ``fns`` on the GPU, timed in turn within every repeat.
+
+    CUDA events around each call time the GPU's queue, not the host; one warm-up call each
+    compiles the kernels; and alternating the functions inside each repeat gives none of them
+    the quieter half of a shared machine's run.
+    """
+    for fn in fns:
         fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
+    torch.cuda.synchronize()
+    times: list[list[float]] = [[] for _ in fns]
+    for _ in range(repeats):
+        for fn, samples in zip(fns, times):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            samples.append(start.elapsed_time(end))
+    return [sorted(samples)[len(samples) // 2] for samples in times]

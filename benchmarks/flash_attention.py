@@ -11,28 +11,9 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
-
-
-def interleaved_milliseconds(fns: list[Callable[[], object]], repeats: int = 20) -> list[float]:
-    """Median milliseconds of each of ``fns``, timed in turn within every repeat (after one warm-up
-    call each, which compiles the kernel), so that no function gets the quieter half of the run."""
-    for fn in fns:
-        fn()
-    torch.cuda.synchronize()
-    times: list[list[float]] = [[] for _ in fns]
-    for _ in range(repeats):
-        for fn, samples in zip(fns, times):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            samples.append(start.elapsed_time(end))
-    return [sorted(samples)[len(samples) // 2] for samples in times]
 
 
 def main() -> int:
@@ -47,7 +28,7 @@ def main() -> int:
         print("skipped: this benchmark needs a CUDA GPU (compiled Triton); on a CPU the kernel "
               "runs only in Triton's interpreter, which is for correctness, not speed")
         return 0
-    from aie_lessons.flash_attention import HAS_TRITON, triton_flash_attention
+    from aie_lessons.flash_attention import HAS_TRITON, gpu_milliseconds, triton_flash_attention
 
     if not HAS_TRITON:
         print("skipped: triton is not installed")
@@ -62,7 +43,7 @@ def main() -> int:
         q = torch.randn(shape_q, device="cuda", dtype=dtype)
         k, v = torch.randn(shape_kv, device="cuda", dtype=dtype), torch.randn(shape_kv, device="cuda", dtype=dtype)
         flops = 2 * 2 * args.batch * args.heads * seq * seq * args.head_dim / 2
-        ours, sdpa = interleaved_milliseconds([
+        ours, sdpa = gpu_milliseconds([
             lambda: triton_flash_attention(q, k, v, causal=True),
             lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)])
         print(f"{seq:>6} {flops / ours / 1e9:>13.1f} {flops / sdpa / 1e9:>13.1f} {sdpa / ours:>12.2f}")

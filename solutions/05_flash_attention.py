@@ -596,22 +596,6 @@ def flash_attention(
     return fn(q, k, v, causal=q.shape[-2] > 1)[0]
 
 
-def gpu_milliseconds(fn: Callable[[], object], repeats: int = 20) -> float:
-    """Median milliseconds of ``fn`` on the GPU: CUDA events around each call, after a warm-up
-    (the first call compiles the kernel), so that launch queues are timed, not the host."""
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
-
-
 # %%
 # Check exercise 5.5
 checks.stage05.check_flash_kernel(triton_flash_attention, HAS_TRITON)
@@ -671,6 +655,30 @@ print("programs for one decode step of one sequence (grid = 1 × Hkv × G):", 1 
 # is nothing meaningful to time: the interpreter runs one program at a time in NumPy.
 
 # %%
+# export: flash_attention
+def gpu_milliseconds(fns: list[Callable[[], object]], repeats: int = 20) -> list[float]:
+    """Median milliseconds of each of ``fns`` on the GPU, timed in turn within every repeat.
+
+    CUDA events around each call time the GPU's queue, not the host; one warm-up call each
+    compiles the kernels; and alternating the functions inside each repeat gives none of them
+    the quieter half of a shared machine's run.
+    """
+    for fn in fns:
+        fn()
+    torch.cuda.synchronize()
+    times: list[list[float]] = [[] for _ in fns]
+    for _ in range(repeats):
+        for fn, samples in zip(fns, times):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            samples.append(start.elapsed_time(end))
+    return [sorted(samples)[len(samples) // 2] for samples in times]
+
+
+# %%
 # NBVAL_IGNORE_OUTPUT
 if HAS_TRITON and torch.cuda.is_available():
     print(torch.cuda.get_device_name(), "bfloat16, B=1, Hq=9, Hkv=3, D=64")
@@ -678,9 +686,9 @@ if HAS_TRITON and torch.cuda.is_available():
         q = torch.randn(1, 9, q_len, 64, device="cuda", dtype=torch.bfloat16)
         k, v = (torch.randn(1, 3, kv_len, 64, device="cuda", dtype=torch.bfloat16) for _ in range(2))
         causal = q_len > 1
-        ours = gpu_milliseconds(lambda: triton_flash_attention(q, k, v, causal=causal))
-        theirs = gpu_milliseconds(lambda: F.scaled_dot_product_attention(
-            q, k, v, is_causal=causal, enable_gqa=True))
+        ours, theirs = gpu_milliseconds([
+            lambda: triton_flash_attention(q, k, v, causal=causal),
+            lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)])
         print(f"{name:8} ours {ours:7.3f} ms   SDPA {theirs:7.3f} ms   SDPA / ours {theirs / ours:5.2f}")
 else:
     print("speed comparison skipped:",
