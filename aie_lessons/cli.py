@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 
@@ -60,6 +61,184 @@ def check_device(name: str) -> None:
         raise UsageError(f"--device {name}: the course runs on cpu or cuda")
 
 
+def read_prompts_file(path: Path) -> list[str]:
+    """The prompts in ``path``: one per line, or, in a ``.jsonl`` file, one ``{"prompt": ...}`` per line.
+
+    Plain lines are the simple case; JSON lines are for prompts that span lines. Blank lines are
+    skipped in both, and a file with no prompt at all is refused, since running nothing is surely
+    not what was meant.
+    """
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except OSError as exc:
+        raise UsageError(f"--prompts-file {path}: {exc.strerror or exc}. Fix: give a text file with one "
+                         "prompt per line (or a .jsonl file with one {\"prompt\": ...} per line)") from exc
+    except UnicodeDecodeError as exc:
+        raise UsageError(f"--prompts-file {path} is not UTF-8 text. Fix: save it as UTF-8") from exc
+    numbered = [(number, line) for number, line in enumerate(lines, 1) if line.strip()]
+    if not numbered:
+        raise UsageError(f"--prompts-file {path} has no prompts (blank lines are skipped). Fix: write one "
+                         "prompt per line")
+    if path.suffix != ".jsonl":
+        return [line for _, line in numbered]
+    prompts = []
+    for number, line in numbered:
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as exc:
+            problem = f"not JSON ({exc.msg})"
+        else:
+            has_prompt = isinstance(record, dict) and isinstance(record.get("prompt"), str)
+            problem = None if has_prompt else 'not an object with a "prompt" string'
+        if problem:
+            raise UsageError(f"--prompts-file {path}, line {number}: {problem}. Fix: one JSON object per "
+                             'line, like {"prompt": "Hello"}')
+        prompts.append(record["prompt"])
+    return prompts
+
+
+def _prompts(args: argparse.Namespace) -> list[str]:
+    """Every prompt asked for, in order: the positional ones, then --prompt, then --prompts-file."""
+    prompts = [*args.prompts, *(args.prompt or ())]
+    if args.prompts_file:
+        prompts += read_prompts_file(Path(args.prompts_file))
+    if not prompts:
+        raise UsageError('no prompt given. Fix: aie generate "Hello", several prompts, or '
+                         "--prompts-file PATH")
+    return prompts
+
+
+def _loop(args: argparse.Namespace, count: int) -> str:
+    """The generate loop to run: the engine for several prompts, stage 04's cached loop for one."""
+    loop = args.loop or ("engine" if count > 1 else "cached")
+    if count > 1 and loop != "engine":
+        raise UsageError(f"--loop {loop} runs one prompt; {count} prompts run through the engine. Fix: "
+                         "drop --loop, or use --loop engine")
+    if loop == "compiled" and args.activations != "float32":
+        raise UsageError("--loop compiled computes in float32: drop --activations bfloat16")
+    if loop == "engine":
+        from aie_lessons.engine.scheduler import SchedulerConfig
+
+        try:  # the scheduler's own rules, applied before the model is loaded
+            SchedulerConfig(args.max_seqs, args.token_budget)
+        except ValueError as exc:
+            raise UsageError(f"--max-seqs {args.max_seqs} --token-budget {args.token_budget}: {exc}") from exc
+    elif (args.max_seqs, args.token_budget) != (DEFAULT_MAX_SEQS, DEFAULT_TOKEN_BUDGET):
+        print("aie generate: note: --max-seqs and --token-budget only matter for the engine (--loop "
+              "engine, or several prompts)", file=sys.stderr)
+    return loop
+
+
+def _as_json(result, seed: int | None, timings: dict[str, float]) -> str:
+    return json.dumps({"prompt_ids": result.prompt_ids, "token_ids": result.token_ids, "text": result.text,
+                       "finish_reason": result.finish_reason, "seed": seed, "timings": timings},
+                      ensure_ascii=False)
+
+
+def _write(text: str) -> None:
+    sys.stdout.write(text)
+    sys.stdout.flush()
+
+
+class InOrder:
+    """Several prompts' answers on one terminal: labelled, in prompt order, never interleaved.
+
+    Interleaving the streams (a prefix on every fragment) would cut each answer into pieces no one
+    can read. Instead the earliest unfinished prompt streams live, and later prompts' text is held
+    back and printed the moment their turn comes: text still appears as early as it can, and each
+    answer reads in one piece, in the order the prompts were given.
+    """
+
+    def __init__(self, prompts: list[str], write: Callable[[str], None] = _write):
+        self.labels = [f"=== {i}/{len(prompts)}: {_preview(p)} ===\n" for i, p in enumerate(prompts, 1)]
+        self.held = [""] * len(prompts)
+        self.done = [False] * len(prompts)
+        self.current = 0
+        self.write = write
+        write(self.labels[0])
+
+    def text(self, index: int, text: str) -> None:
+        """Prompt ``index`` produced ``text``: shown now if it is its turn, else held."""
+        if index == self.current:
+            self.write(text)
+        else:
+            self.held[index] += text
+
+    def finished(self, index: int) -> None:
+        """Prompt ``index`` is done: end its answer if it was showing, and bring on the next ones."""
+        self.done[index] = True
+        while self.current < len(self.done) and self.done[self.current]:
+            self.write("\n")
+            self.current += 1
+            if self.current < len(self.done):
+                self.write("\n" + self.labels[self.current] + self.held[self.current])
+                self.held[self.current] = ""
+
+
+def _preview(prompt: str, width: int = 60) -> str:
+    """The prompt on one line, cut to ``width`` characters: enough to tell the answers apart."""
+    line = " ".join(prompt.split())
+    return line if len(line) <= width else line[: width - 1] + "…"
+
+
+def _run_engine(args: argparse.Namespace, model, tokenizer, prompts: list[str], prompt_ids: list[list[int]],
+                params) -> None:
+    """Every prompt through stage 06's engine, with one KV slot per request it may run at once."""
+    import time
+
+    from aie_lessons.engine.engine import Engine
+    from aie_lessons.engine.request import RequestStatus
+    from aie_lessons.generate import PromptError
+
+    count = len(prompts)
+    context = model.config.max_position_embeddings
+    # Slots just long enough for the longest request: the KV cache is max_seqs × max_len positions,
+    # and sizing it for the whole context (8192 for SmolLM2) would take gigabytes for nothing.
+    max_len = min(max(map(len, prompt_ids)) + params.max_new_tokens, context)
+    engine = Engine.from_model(model, tokenizer, max_seqs=min(args.max_seqs, count),
+                               token_budget=args.token_budget, max_len=max_len)
+    for i, ids in enumerate(prompt_ids):  # every prompt is checked before any runs
+        try:
+            engine.check_request(ids, params)
+        except PromptError as exc:
+            raise PromptError(f"prompt {i + 1} of {count} ({_preview(prompts[i], 30)!r}): {exc}"
+                              if count > 1 else str(exc)) from exc
+    printer = InOrder(prompts) if count > 1 and not args.json else None
+    if args.json:
+        on_text = [None] * count
+    elif printer:
+        on_text = [lambda text, i=i: printer.text(i, text) for i in range(count)]
+    else:
+        on_text = [_write]
+    start = time.perf_counter()
+    requests = [engine.add_request(ids, params, on_text=stream) for ids, stream in zip(prompt_ids, on_text)]
+    index = {request.id: i for i, request in enumerate(requests)}
+    finished = [r for r in requests if r.status is RequestStatus.FINISHED]  # max_new_tokens=0
+    while True:
+        for request in finished:
+            if printer:
+                printer.finished(index[request.id])
+        if not engine.has_work():
+            break
+        finished = engine.step()
+    seconds = time.perf_counter() - start
+    if args.json:
+        for request in requests:
+            tpot = request.tpot
+            print(_as_json(request.result, params.seed, {
+                "first_token_s": request.ttft or 0.0,  # from arrival: waiting for a slot included
+                "total_s": request.latency or 0.0,
+                "tokens": len(request.result.token_ids),
+                "decode_tokens_per_s": 1 / tpot if tpot else 0.0,
+            }))
+    elif not printer:
+        print()
+    tokens = sum(len(r.output_ids) for r in requests)
+    print(f"aie generate: {count} request{'s' * (count > 1)}, {tokens} output tokens in {seconds:.2f} s "
+          f"= {tokens / seconds:.1f} tok/s (engine: up to {engine.config.max_seqs} at once, "
+          f"{engine.config.token_budget} tokens per step)", file=sys.stderr)
+
+
 def _generate(args: argparse.Namespace) -> int:
     import torch
 
@@ -72,25 +251,24 @@ def _generate(args: argparse.Namespace) -> int:
         raise UsageError(f"--no-cache and --compile are now --loop skeleton and "
                          f"--loop compiled. Fix: use --loop {loop}")
     check_device(args.device)
-    if args.loop == "compiled" and args.activations != "float32":
-        raise UsageError("--loop compiled computes in float32: drop --activations bfloat16")
+    prompts = _prompts(args)
+    loop = _loop(args, len(prompts))
     params = _sampling_params(args)  # bad values are refused before the model is loaded
     model_dir = Path(args.model) if args.model else default_model_dir()
     tokenizer = Tokenizer.from_pretrained(model_dir)
     model = LlamaModel.from_pretrained(model_dir, dtype=getattr(torch, args.dtype), device=args.device,
                                        activations=getattr(torch, args.activations))
-    prompt_ids = tokenizer.encode_chat(args.prompt) if args.chat else tokenizer.encode(args.prompt)
-
-    def stream(text: str) -> None:
-        sys.stdout.write(text)
-        sys.stdout.flush()
-
-    on_text = None if args.json else stream
-    if args.loop == "skeleton":  # stage 01: recomputes the whole sequence every step
+    encode = tokenizer.encode_chat if args.chat else tokenizer.encode
+    if loop == "engine":
+        _run_engine(args, model, tokenizer, prompts, [encode(p) for p in prompts], params)
+        return 0
+    prompt_ids = encode(prompts[0])
+    on_text = None if args.json else _write
+    if loop == "skeleton":  # stage 01: recomputes the whole sequence every step
         from aie_lessons.generate import generate
 
         result = generate(model, tokenizer, prompt_ids, params, on_text=on_text)
-    elif args.loop == "compiled":  # stage 04: fused weights, compiled decode step
+    elif loop == "compiled":  # stage 04: fused weights, compiled decode step
         from aie_lessons.fast_decode import FastDecoder
 
         result = FastDecoder(model).generate(tokenizer, prompt_ids, params, on_text=on_text)
@@ -100,14 +278,7 @@ def _generate(args: argparse.Namespace) -> int:
         result = generate_cached(model, tokenizer, [prompt_ids], params,
                                  on_text=on_text and (lambda _index, text: on_text(text)))[0]
     if args.json:
-        print(json.dumps({
-            "prompt_ids": result.prompt_ids,
-            "token_ids": result.token_ids,
-            "text": result.text,
-            "finish_reason": result.finish_reason,
-            "seed": params.seed,
-            "timings": result.timings,
-        }, ensure_ascii=False))
+        print(_as_json(result, params.seed, result.timings))
     else:
         print()
     return 0
@@ -175,6 +346,9 @@ class Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
 
 
+DEFAULT_MAX_SEQS, DEFAULT_TOKEN_BUDGET = 16, 256  # the engine's own defaults (Engine.from_model)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = Parser(prog="aie", description="AI engineering from scratch.")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -185,16 +359,29 @@ def build_parser() -> argparse.ArgumentParser:
     fetch.add_argument("--force", action="store_true", help="convert again even if present")
     fetch.set_defaults(run=_fetch_model)
 
-    gen = commands.add_parser("generate", help="generate text, streamed to stdout")
-    gen.add_argument("prompt")
-    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
+    gen = commands.add_parser("generate", help="generate text for one prompt or several, streamed to stdout")
+    gen.add_argument("prompts", nargs="*", metavar="PROMPT",
+                     help="one prompt, or several (several run through the stage 06 engine)")
+    gen.add_argument("--prompt", action="append", metavar="TEXT",
+                     help="one more prompt (repeatable; after the positional ones)")
+    gen.add_argument("--prompts-file", metavar="PATH",
+                     help='one prompt per line, or a .jsonl file with one {"prompt": ...} per line; '
+                          "blank lines are skipped")
+    gen.add_argument("--chat", action="store_true", help="wrap each prompt in the chat template")
     gen.add_argument("--max-new-tokens", type=int, default=64)
     gen.add_argument("--stop", action="append", metavar="TEXT", help="stop string (repeatable)")
-    gen.add_argument("--json", action="store_true", help="print one JSON object at the end")
-    gen.add_argument("--loop", choices=["skeleton", "cached", "compiled"], default="cached",
+    gen.add_argument("--json", action="store_true",
+                     help="print one JSON object per prompt (one per line, in prompt order) at the end")
+    gen.add_argument("--loop", choices=["skeleton", "cached", "compiled", "engine"],
                      help="skeleton: stage 01, no KV cache (slow, for comparison); cached: stage 04's "
-                          "KV cache (default); compiled: stage 04's fused, compiled decoder "
-                          "(compiles first: seconds)")
+                          "KV cache (the default for one prompt); compiled: stage 04's fused, compiled "
+                          "decoder (compiles first: seconds); engine: stage 06's continuous batching "
+                          "(the default, and the only loop, for several prompts)")
+    gen.add_argument("--max-seqs", type=int, default=DEFAULT_MAX_SEQS, metavar="N",
+                     help=f"engine: requests running at once (default {DEFAULT_MAX_SEQS})")
+    gen.add_argument("--token-budget", type=int, default=DEFAULT_TOKEN_BUDGET, metavar="N",
+                     help=f"engine: tokens per step, prefill chunks included (default {DEFAULT_TOKEN_BUDGET}; "
+                          "at least --max-seqs)")
     gen.add_argument("--no-cache", action="store_true", help=argparse.SUPPRESS)  # old names: say the new
     gen.add_argument("--compile", action="store_true", help=argparse.SUPPRESS)
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")

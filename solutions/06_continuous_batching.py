@@ -48,6 +48,8 @@ verify_committed_stages(before="06")
 # %%
 import enum
 import heapq
+import itertools
+import math
 import random
 import statistics
 import time
@@ -309,14 +311,15 @@ class SchedulerConfig:
     static: bool = False
 
     def __post_init__(self) -> None:
-        if not isinstance(self.max_seqs, int) or self.max_seqs < 1:
+        if not isinstance(self.max_seqs, int) or isinstance(self.max_seqs, bool) or self.max_seqs < 1:
             raise ValueError(f"max_seqs={self.max_seqs!r}: at least one request must be able to run")
-        if not isinstance(self.token_budget, int) or self.token_budget < self.max_seqs:
+        if (not isinstance(self.token_budget, int) or isinstance(self.token_budget, bool)
+                or self.token_budget < self.max_seqs):
             raise ValueError(
                 f"token_budget={self.token_budget!r} < max_seqs={self.max_seqs}: every running request "
                 "decodes one token per step, so the budget must cover max_seqs tokens. Fix: raise "
                 "token_budget or lower max_seqs")
-        if not self.aging_rate >= 0:
+        if isinstance(self.aging_rate, bool) or not isinstance(self.aging_rate, (int, float)) or not self.aging_rate >= 0:
             raise ValueError(f"aging_rate={self.aging_rate!r} must be ≥ 0 (0 = fixed priorities)")
 
 
@@ -350,8 +353,8 @@ class Schedule:
 
     @property
     def decode_rows(self) -> int:
-        """Chunks of one token that follow a sampled one: the decodes."""
-        return sum(1 for c in self.chunks if c.length == 1 and c.request.output_ids)
+        """Chunks that run an output token (one each): the decodes. Everything else is prefill."""
+        return sum(1 for c in self.chunks if c.start >= len(c.request.prompt_ids))
 
     @property
     def prefill_tokens(self) -> int:
@@ -738,8 +741,8 @@ class ModelRunner:
 # * if the chunk samples: append its token to the request's `output_ids`, stamp
 #   `metrics.first_token` if this is its first, and push the token to its `stream` (stage 01's
 #   `OutputStream`, which applies EOS, stop strings and `max_new_tokens`). When the stream says
-#   finished, end the request with `scheduler.finish(request, request.result.finish_reason, now)`
-#   — which frees its KV — and collect it.
+#   finished, end the request through the scheduler's `finish` (with the reason the stream
+#   gives, `request.result.finish_reason`) — which frees its KV — and collect it.
 #
 # Return the requests finished this step.
 
@@ -749,6 +752,7 @@ class ModelRunner:
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -868,7 +872,8 @@ class Engine:
         if isinstance(priority, bool) or not isinstance(priority, (int, float)) or priority != priority:
             raise ValueError(f"priority={priority!r} must be a number (larger is more urgent)")
         prompt_ids = self.check_request(prompt, params)
-        request_id = f"r{len(self.requests)}" if request_id is None else request_id
+        if request_id is None:  # the first free "rN": a caller may have named one of them already
+            request_id = next(f"r{n}" for n in itertools.count(len(self.requests)) if f"r{n}" not in self.requests)
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use. Fix: a new id, or none "
                              "(the engine numbers requests itself)")
@@ -905,6 +910,9 @@ class Engine:
         """One iteration: schedule, prepare, run, sample, postprocess. Returns the finished requests."""
         start, t0 = self.clock(), time.perf_counter()
         schedule = self.scheduler.schedule()
+        if not schedule.chunks:  # with work waiting, an empty step would repeat forever
+            raise RuntimeError(f"the scheduler scheduled nothing although {len(self.scheduler.waiting)} "
+                               f"requests wait and {len(self.scheduler.running)} run: check schedule()")
         t1 = time.perf_counter()
         batch = self.runner.prepare(schedule)
         t2 = time.perf_counter()
@@ -1082,7 +1090,7 @@ def simulate(arrivals: list[Arrival], config: SchedulerConfig, cost: StepCost = 
         if engine.has_work():
             engine.step()
             step += 1
-        else:
+        elif order:  # idle until the next arrival
             clock.now = arrivals[order[0]].time
     return engine
 
@@ -1159,8 +1167,9 @@ for name, run in (("static", static), ("continuous", continuous)):
 # `p_lo`, arriving at `t₀`) is therefore ahead of every high-priority request (`p_hi`) that arrives
 # after `t₀ + (p_hi − p_lo)/a`. Under a stream of one high-priority arrival every `g` seconds,
 # at most `q₀ + (p_hi − p_lo)/(a·g) + 1` requests can be ahead of it (`q₀`: those already waiting
-# when it arrived). If each finishes after `s` seconds of service and `max_seqs` run at once, it is
-# admitted by
+# when it arrived). If each holds its slot for at most `s` seconds (its output length times the
+# longest step, when the budget lets a prompt in whole in the step that admits it) and `max_seqs`
+# run at once, it is admitted by
 #
 # **t₀ + s · ⌈(q₀ + (p_hi − p_lo)/(a·g) + 1) / max_seqs⌉ + s.**
 #
@@ -1168,24 +1177,32 @@ for name, run in (("static", static), ("continuous", continuous)):
 # queue only grows and the low-priority request is never admitted.
 
 # %%
-high, low, gap = 10.0, 0.0, 0.010
-stream = [Arrival(i * gap, 8, 8, priority=high) for i in range(400)]
-arrivals = stream[:50] + [Arrival(50 * gap, 8, 8, priority=low)] + stream[50:]
+high, low, gap, max_seqs, output_len = 10.0, 0.0, 0.010, 2, 8
+stream = [Arrival(i * gap, 8, output_len, priority=high) for i in range(400)]
+arrivals = stream[:50] + [Arrival(50 * gap, 8, output_len, priority=low)] + stream[50:]
 for rate in (0.0, 50.0, 200.0):
-    run = simulate(arrivals, SchedulerConfig(max_seqs=2, token_budget=64, aging_rate=rate))
+    run = simulate(arrivals, SchedulerConfig(max_seqs=max_seqs, token_budget=64, aging_rate=rate))
     low_request = run.requests["r50"]
-    waited = low_request.metrics.first_scheduled - low_request.arrival
-    ahead = sum(1 for r in run.requests.values()
-                if r.priority == high and r.metrics.first_scheduled < low_request.metrics.first_scheduled
-                and r.arrival >= low_request.arrival)
-    print(f"aging_rate {rate:>5}: the low-priority request waited {waited:6.2f} s, "
-          f"overtaken by {ahead:>3} later high-priority requests")
+    t0, admitted_at = low_request.arrival, low_request.metrics.first_scheduled
+    overtaken = sum(1 for r in run.requests.values()
+                    if r.arrival > t0 and r.metrics.first_scheduled < admitted_at)
+    line = (f"aging_rate {rate:>5}: waited {admitted_at - t0:5.2f} s, overtaken by {overtaken:>3} later "
+            f"arrivals")
+    if rate:
+        q0 = sum(1 for r in run.requests.values() if r.arrival <= t0 and r is not low_request
+                 and r.metrics.first_scheduled >= t0)
+        service = output_len * max(st.end - st.start for st in run.stats)  # s: slot held, at worst
+        newcomers = (high - low) / (rate * gap)
+        bound = t0 + service * math.ceil((q0 + newcomers + 1) / max_seqs) + service
+        line += (f" (at most {newcomers:.0f} + 1 allowed); queued before it: {q0}; admitted at "
+                 f"{admitted_at:.2f} s ≤ bound {bound:.2f} s: {admitted_at <= bound}")
+    print(line)
 
 # %% [markdown]
 # With `aging_rate=0` the low-priority request waits until the stream dries up — the end of the
-# experiment; in a real server, forever. With aging, the number of later arrivals that overtake it
-# is bounded by `(p_hi − p_lo)/(a·g)`: 20 at a = 50 and 5 at a = 200 (plus those already
-# queued). `tests/test_engine_scheduler.py` checks the bound over many random streams.
+# experiment; in a real server, forever. With aging, the later arrivals that overtake it are at
+# most `(p_hi − p_lo)/(a·g) + 1` (printed above for each rate), and it is admitted within the
+# bound. `tests/test_engine_scheduler.py` checks the bound over many random streams.
 
 # %% [markdown]
 # ## 9. Measured on the real model: static vs continuous

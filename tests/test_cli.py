@@ -14,7 +14,7 @@ import pytest
 AIE = [str(Path(sys.executable).parent / "aie")]
 
 
-pytestmark = pytest.mark.slow  # every test here starts the console script (a new Python, torch imported)
+pytestmark = pytest.mark.slow  # almost every test here starts the console script (a new Python, torch imported)
 
 
 def run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
@@ -74,11 +74,11 @@ def test_chat_answer_about_france(real_model_dir):
     assert "Paris" in out.stdout
 
 
-def test_the_three_loops_agree(tiny_untied_dir):
+def test_the_four_loops_agree(tiny_untied_dir):
     args = ("generate", "The quick", "--model", str(tiny_untied_dir), "--max-new-tokens", "10", "--json")
     cached = json.loads(run(*args).stdout)
     assert len(set(cached["token_ids"])) > 3, "the model must produce varied tokens for this to mean anything"
-    for loop in ("skeleton", "compiled"):
+    for loop in ("skeleton", "compiled", "engine"):
         result = json.loads(run(*args, "--loop", loop).stdout)
         assert (result["token_ids"], result["text"]) == (cached["token_ids"], cached["text"]), loop
 
@@ -127,6 +127,121 @@ def test_unknown_loop_is_refused(tiny_dir):
 def test_compiled_loop_with_bf16_activations_is_refused(tiny_dir):
     out = run("generate", "x", "--model", str(tiny_dir), "--loop", "compiled", "--activations", "bfloat16")
     assert out.returncode != 0 and "--loop compiled computes in float32" in out.stderr
+
+
+# --- several prompts: stage 06's engine ------------------------------------------------------
+
+
+def stage04(model_dir: Path, prompts: list[str], max_new_tokens: int, model=None) -> list:
+    """Stage 04's greedy answer to each prompt, run alone: what the engine must reproduce."""
+    from aie_lessons.cached_generate import generate_cached
+    from aie_lessons.model import LlamaModel
+    from aie_lessons.sampling import SamplingParams
+    from aie_lessons.tokenizer import Tokenizer
+
+    tokenizer, model = Tokenizer.from_pretrained(model_dir), model or LlamaModel.from_pretrained(model_dir)
+    params = SamplingParams(max_new_tokens=max_new_tokens)
+    return [generate_cached(model, tokenizer, [tokenizer.encode(p)], params)[0] for p in prompts]
+
+
+def json_lines(out: subprocess.CompletedProcess) -> list[dict]:
+    assert out.returncode == 0, out.stderr
+    return [json.loads(line) for line in out.stdout.splitlines()]
+
+
+def test_several_prompts_run_through_the_engine_in_prompt_order(tiny_untied_dir):
+    """Positional prompts then --prompt ones, two at a time in 4-token steps (so prompts wait and
+    are prefilled in chunks): each answer is stage 04's, and the text output labels them in order."""
+    prompts = ["The quick brown fox", "Once upon", "Hello there, how are you"]
+    args = ("generate", *prompts[:2], "--prompt", prompts[2], "--model", str(tiny_untied_dir),
+            "--max-new-tokens", "6", "--max-seqs", "2", "--token-budget", "4")
+    results = json_lines(run(*args, "--json"))
+    expected = stage04(tiny_untied_dir, prompts, 6)
+    assert len({tuple(r.token_ids) for r in expected}) == 3, "distinct answers, or order is not tested"
+    assert all(e.finish_reason == "length" for e in expected)  # 6 tokens each, none of them EOS
+    assert [(r["prompt_ids"], r["token_ids"], r["text"]) for r in results] == \
+        [(e.prompt_ids, e.token_ids, e.text) for e in expected]
+    out = run(*args)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == "\n".join(f"=== {i}/3: {p} ===\n{e.text}\n" for i, (p, e) in
+                                   enumerate(zip(prompts, expected), 1))
+    summary = [line for line in out.stderr.splitlines() if line.strip()]
+    assert len(summary) == 1 and "3 requests, 18 output tokens" in summary[0] and "tok/s" in summary[0]
+    assert "up to 2 at once, 4 tokens per step" in summary[0]
+
+
+def aie(capsys, *args: str) -> tuple[int, str, str]:
+    """``aie ARGS`` run in this process: the console script's code without a new Python importing
+    torch (seconds a run), for the cases where nothing but main() is under test."""
+    from aie_lessons.cli import main
+
+    code = main(list(args))
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_one_prompt_through_the_engine_streams_like_the_other_loops(tiny_untied_dir, capsys):
+    code, out, err = aie(capsys, "generate", "The quick", "--model", str(tiny_untied_dir), "--max-new-tokens", "8",
+                         "--loop", "engine")
+    assert code == 0, err
+    assert out == stage04(tiny_untied_dir, ["The quick"], 8)[0].text + "\n"
+    assert "1 request, 8 output tokens" in err
+
+
+@pytest.mark.parametrize("name, text", [
+    ("prompts.txt", "The quick\n\n  \nOnce upon a time\n"),
+    ("prompts.jsonl", '{"prompt": "The quick"}\n\n{"prompt": "Once upon\\na time"}\n'),
+])
+def test_prompts_file_runs_each_prompt_after_the_flags(tiny_dir, tmp_path, capsys, name, text):
+    """Blank lines are skipped, a JSON line's prompt may hold a newline, and the file's prompts
+    come after the positional one."""
+    from aie_lessons.tokenizer import Tokenizer
+
+    path = tmp_path / name
+    path.write_text(text)
+    code, out, err = aie(capsys, "generate", "Hi", "--prompts-file", str(path), "--model", str(tiny_dir),
+                         "--max-new-tokens", "3", "--json")
+    assert code == 0, err
+    results = [json.loads(line) for line in out.splitlines()]
+    prompts = ["Hi", "The quick", "Once upon\na time" if name.endswith(".jsonl") else "Once upon a time"]
+    tokenizer = Tokenizer.from_pretrained(tiny_dir)
+    assert [r["prompt_ids"] for r in results] == [tokenizer.encode(p) for p in prompts]
+    assert all(len(r["token_ids"]) == 3 and r["finish_reason"] == "length" for r in results)
+
+
+PROMPT_ERRORS = [
+    (("generate", "--model", "{tiny}"), "no prompt given. Fix:"),
+    (("generate", "x", "y", "--model", "{tiny}", "--loop", "skeleton"), "Fix: drop --loop, or use --loop engine"),
+    (("generate", "x", "y", "--model", "{tiny}", "--max-seqs", "8", "--token-budget", "4"),
+     "token_budget=4 < max_seqs=8"),
+    (("generate", "x", "y", "--model", "{tiny}", "--max-new-tokens", "64"), "prompt 1 of 2 ('x'): prompt of 1 tokens"),
+    (("generate", "--prompts-file", "{tmp}/nowhere.txt"), "nowhere.txt: No such file or directory. Fix:"),
+    (("generate", "--prompts-file", "{tmp}/blank.txt"), "has no prompts (blank lines are skipped). Fix:"),
+    (("generate", "--prompts-file", "{tmp}/bad.jsonl"), 'line 2: not an object with a "prompt" string. Fix:'),
+    (("generate", "--prompts-file", "{tmp}/broken.jsonl"), "line 1: not JSON"),
+]
+
+
+@pytest.mark.parametrize("args, message", PROMPT_ERRORS, ids=lambda v: " ".join(v) if isinstance(v, tuple) else None)
+def test_bad_prompts_get_one_line_naming_the_fix(args, message, tiny_dir, tmp_path, capsys):
+    (tmp_path / "blank.txt").write_text("\n  \n")
+    (tmp_path / "bad.jsonl").write_text('{"prompt": "ok"}\n{"text": "no prompt key"}\n')
+    (tmp_path / "broken.jsonl").write_text('{"prompt": "unclosed\n')
+    code, out, err = aie(capsys, *(a.format(tiny=tiny_dir, tmp=tmp_path) for a in args))
+    assert code == 2 and message in err and not out, err
+    assert len(err.strip().splitlines()) == 1, err
+
+
+def test_engine_gives_stage04s_tokens_on_the_real_model(real_model, real_model_dir):
+    """Greedy, two prompts sharing the engine (budget 7: the longer prompt is prefilled in chunks)
+    give exactly what stage 04 gives each alone. Both prompts are far from fp32 ties for these
+    12 tokens (tests/test_engine_oracle.py measures their margins)."""
+    prompts = ["The history of the lighthouse begins with fires on hills.", "The capital of France is"]
+    results = json_lines(run("generate", *prompts, "--model", str(real_model_dir), "--max-new-tokens", "12",
+                             "--max-seqs", "2", "--token-budget", "7", "--json"))
+    expected = stage04(real_model_dir, prompts, 12, real_model)
+    assert [(r["prompt_ids"], r["token_ids"], r["text"]) for r in results] == \
+        [(e.prompt_ids, e.token_ids, e.text) for e in expected]
 
 
 # --- every command, and every bad input a user can type: one line, exit status 2 ---------------

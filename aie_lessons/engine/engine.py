@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -121,7 +122,8 @@ class Engine:
         if isinstance(priority, bool) or not isinstance(priority, (int, float)) or priority != priority:
             raise ValueError(f"priority={priority!r} must be a number (larger is more urgent)")
         prompt_ids = self.check_request(prompt, params)
-        request_id = f"r{len(self.requests)}" if request_id is None else request_id
+        if request_id is None:  # the first free "rN": a caller may have named one of them already
+            request_id = next(f"r{n}" for n in itertools.count(len(self.requests)) if f"r{n}" not in self.requests)
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use. Fix: a new id, or none "
                              "(the engine numbers requests itself)")
@@ -158,6 +160,9 @@ class Engine:
         """One iteration: schedule, prepare, run, sample, postprocess. Returns the finished requests."""
         start, t0 = self.clock(), time.perf_counter()
         schedule = self.scheduler.schedule()
+        if not schedule.chunks:  # with work waiting, an empty step would repeat forever
+            raise RuntimeError(f"the scheduler scheduled nothing although {len(self.scheduler.waiting)} "
+                               f"requests wait and {len(self.scheduler.running)} run: check schedule()")
         t1 = time.perf_counter()
         batch = self.runner.prepare(schedule)
         t2 = time.perf_counter()

@@ -42,14 +42,15 @@ class SchedulerConfig:
     static: bool = False
 
     def __post_init__(self) -> None:
-        if not isinstance(self.max_seqs, int) or self.max_seqs < 1:
+        if not isinstance(self.max_seqs, int) or isinstance(self.max_seqs, bool) or self.max_seqs < 1:
             raise ValueError(f"max_seqs={self.max_seqs!r}: at least one request must be able to run")
-        if not isinstance(self.token_budget, int) or self.token_budget < self.max_seqs:
+        if (not isinstance(self.token_budget, int) or isinstance(self.token_budget, bool)
+                or self.token_budget < self.max_seqs):
             raise ValueError(
                 f"token_budget={self.token_budget!r} < max_seqs={self.max_seqs}: every running request "
                 "decodes one token per step, so the budget must cover max_seqs tokens. Fix: raise "
                 "token_budget or lower max_seqs")
-        if not self.aging_rate >= 0:
+        if isinstance(self.aging_rate, bool) or not isinstance(self.aging_rate, (int, float)) or not self.aging_rate >= 0:
             raise ValueError(f"aging_rate={self.aging_rate!r} must be ≥ 0 (0 = fixed priorities)")
 
 
@@ -83,8 +84,8 @@ class Schedule:
 
     @property
     def decode_rows(self) -> int:
-        """Chunks of one token that follow a sampled one: the decodes."""
-        return sum(1 for c in self.chunks if c.length == 1 and c.request.output_ids)
+        """Chunks that run an output token (one each): the decodes. Everything else is prefill."""
+        return sum(1 for c in self.chunks if c.start >= len(c.request.prompt_ids))
 
     @property
     def prefill_tokens(self) -> int:

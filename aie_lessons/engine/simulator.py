@@ -115,7 +115,7 @@ def simulate(arrivals: list[Arrival], config: SchedulerConfig, cost: StepCost = 
         if engine.has_work():
             engine.step()
             step += 1
-        else:
+        elif order:  # idle until the next arrival
             clock.now = arrivals[order[0]].time
     return engine
 

@@ -1,0 +1,198 @@
+"""Stage 06's checks, each proven by wrong implementations that must fail with the right message."""
+
+from __future__ import annotations
+
+import pytest
+
+from aie_lessons import checks
+from aie_lessons.checks import CheckFailed
+from aie_lessons.engine.batch import chunk_inputs
+from aie_lessons.engine.engine import postprocess
+from aie_lessons.engine.scheduler import (Schedule, ScheduledChunk, Scheduler, SchedulerConfig,
+                                          effective_priority)
+from check_expect import mutants, names_the_mistake
+
+
+# --- 6.1 ----------------------------------------------------------------------------------------
+def no_aging(request, now, aging_rate):
+    return request.priority
+
+
+def ages_backwards(request, now, aging_rate):
+    return request.priority + aging_rate * (request.arrival - now)
+
+
+def ages_by_the_clock(request, now, aging_rate):
+    return request.priority + aging_rate * now
+
+
+def scales_the_priority(request, now, aging_rate):
+    return (request.priority + now - request.arrival) * aging_rate
+
+
+def divides_by_the_rate(request, now, aging_rate):
+    return request.priority + (now - request.arrival) / aging_rate
+
+
+def test_effective_priority_check_passes_the_reference():
+    checks.stage06.check_effective_priority(effective_priority)
+
+
+@mutants("6.1", [
+    (no_aging, "does not grow while the request waits"),
+    (ages_backwards, "falls.*now − arrival"),
+    (ages_by_the_clock, "since \\*its\\* arrival"),
+    (scales_the_priority, "is not multiplied"),
+    (divides_by_the_rate, "you divided by aging_rate"),
+])
+def test_effective_priority_check_names_the_mistake(wrong, message):
+    with names_the_mistake("6.1", message):
+        checks.stage06.check_effective_priority(wrong)
+
+
+# --- 6.2 ----------------------------------------------------------------------------------------
+def scheduler_with(name: str, **mistake):
+    """The reference step with one mistake a learner could make."""
+
+    def schedule(self) -> Schedule:
+        now = self.clock()
+        budget = self.config.token_budget
+        chunks, admitted = [], []
+        admitting = not (self.config.static and self.running) or mistake.get("ignores_static")
+        ordered = self.running if mistake.get("no_decode_first") else sorted(self.running, key=lambda r: r.remaining > 1)
+        for request in ordered:
+            length = request.remaining if mistake.get("no_budget") else min(request.remaining, budget)
+            if length == 0:
+                break
+            start = 0 if mistake.get("start_at_zero") else request.num_computed
+            chunks.append(ScheduledChunk(request, start, length, self.allocator.handle(request.id)))
+            budget -= length
+        limit = 10**9 if mistake.get("ignores_max_seqs") else self.config.max_seqs
+        while admitting and self.waiting and budget > 0 and len(self.running) < limit:
+            if mistake.get("fifo"):
+                request = min(self.waiting, key=lambda r: r.seq)
+            elif mistake.get("least_urgent_first"):
+                request = max(self.waiting, key=lambda r: (-effective_priority(r, now, self.config.aging_rate), r.seq))
+            elif mistake.get("no_aging"):
+                request = min(self.waiting, key=lambda r: (-r.priority, r.seq))
+            else:
+                request = min(self.waiting, key=lambda r: (-effective_priority(r, now, self.config.aging_rate), r.seq))
+            if not self.allocator.can_allocate(request):
+                break
+            if mistake.get("whole_prompts_only") and request.remaining > budget:
+                break
+            kv = self.admit(request, now)
+            admitted.append(request)
+            chunks.append(ScheduledChunk(request, request.num_computed, min(request.remaining, budget), kv))
+            budget -= min(request.remaining, budget)
+        return Schedule(chunks, admitted)
+
+    return type(name, (Scheduler,), {"schedule": schedule})
+
+
+def test_schedule_check_passes_the_reference():
+    checks.stage06.check_schedule(Scheduler, ScheduledChunk, SchedulerConfig)
+
+
+@mutants("6.2", [
+    (scheduler_with("NoDecodeFirst", no_decode_first=True), "before a running decode"),
+    (scheduler_with("NoBudget", no_budget=True), "over the token budget"),
+    (scheduler_with("StartAtZero", start_at_zero=True), "starts at the request's num_computed"),
+    (scheduler_with("Fifo", fifo=True), "highest effective_priority"),
+    (scheduler_with("LeastUrgentFirst", least_urgent_first=True), "highest effective_priority"),
+    (scheduler_with("NoAging", no_aging=True), "you ordered by the fixed priority"),
+    (scheduler_with("IgnoresMaxSeqs", ignores_max_seqs=True), "over max_seqs"),
+    (scheduler_with("WholePromptsOnly", whole_prompts_only=True), "chunked prefill"),
+    (scheduler_with("IgnoresStatic", ignores_static=True), "static batch"),
+])
+def test_schedule_check_names_the_mistake(wrong, message):
+    with names_the_mistake("6.2", message):
+        checks.stage06.check_schedule(wrong, ScheduledChunk, SchedulerConfig)
+
+
+# --- 6.3 ----------------------------------------------------------------------------------------
+def positions_from_zero(chunk):
+    return chunk.request.token_ids(chunk.start, chunk.start + chunk.length), list(range(chunk.length))
+
+
+def prompt_only(chunk):
+    end = chunk.start + chunk.length
+    return chunk.request.prompt_ids[chunk.start:end], list(range(chunk.start, end))
+
+
+def shifted_ids(chunk):
+    end = chunk.start + chunk.length
+    return chunk.request.token_ids(chunk.start + 1, end + 1), list(range(chunk.start, end))
+
+
+def positions_plus_one(chunk):
+    end = chunk.start + chunk.length
+    return chunk.request.token_ids(chunk.start, end), list(range(chunk.start + 1, end + 1))
+
+
+def test_chunk_inputs_check_passes_the_reference():
+    checks.stage06.check_chunk_inputs(chunk_inputs, ScheduledChunk)
+
+
+@mutants("6.3", [
+    (positions_from_zero, "off by the chunk's offset"),
+    (prompt_only, "from the prompt only"),
+    (shifted_ids, "shifted by one"),
+    (positions_plus_one, "off by one"),
+])
+def test_chunk_inputs_check_names_the_mistake(wrong, message):
+    with names_the_mistake("6.3", message):
+        checks.stage06.check_chunk_inputs(wrong, ScheduledChunk)
+
+
+# --- 6.4 ----------------------------------------------------------------------------------------
+def postprocess_with(name: str, **mistake):
+    def wrong(schedule, tokens, scheduler, now):
+        finished = []
+        sampled = iter(tokens)
+        for chunk in schedule.chunks:
+            request = chunk.request
+            if not (mistake.get("sampling_only_advance") and not chunk.samples):
+                request.num_computed += 1 if mistake.get("advance_by_one") else chunk.length
+            if mistake.get("token_per_chunk"):
+                token = next(sampled, 0)
+            if not chunk.samples:
+                continue
+            if not mistake.get("token_per_chunk"):
+                token = next(sampled)
+            request.output_ids.append(token)
+            if mistake.get("always_stamp") or request.metrics.first_token is None:
+                request.metrics.first_token = now
+            if request.stream.push(token):
+                if not mistake.get("never_free"):
+                    scheduler.finish(request, request.result.finish_reason, now)
+                finished.append(request)
+        return finished
+
+    wrong.__name__ = name
+    return wrong
+
+
+def test_postprocess_check_passes_the_reference():
+    checks.stage06.check_postprocess(postprocess, Scheduler, SchedulerConfig, ScheduledChunk, Schedule)
+
+
+@mutants("6.4", [
+    (postprocess_with("advance_by_one", advance_by_one=True), "advanced by 1"),
+    (postprocess_with("sampling_only_advance", sampling_only_advance=True), "does not sample still advances"),
+    (postprocess_with("token_per_chunk", token_per_chunk=True), "line up with the sampling chunks"),
+    (postprocess_with("always_stamp", always_stamp=True), "first_token was overwritten"),
+    (postprocess_with("never_free", never_free=True), "a slot never freed"),
+])
+def test_postprocess_check_names_the_mistake(wrong, message):
+    with names_the_mistake("6.4", message):
+        checks.stage06.check_postprocess(wrong, Scheduler, SchedulerConfig, ScheduledChunk, Schedule)
+
+
+def test_a_stub_passes_through_as_not_implemented():
+    def stub(*args):
+        raise NotImplementedError("Exercise 6.3 is not implemented yet")
+
+    with pytest.raises(NotImplementedError):
+        checks.stage06.check_chunk_inputs(stub, ScheduledChunk)
+    assert issubclass(CheckFailed, AssertionError)
