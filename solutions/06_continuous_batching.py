@@ -50,20 +50,23 @@ import enum
 import heapq
 import itertools
 import math
+import operator
+import sys
+import warnings
 import random
 import statistics
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from types import SimpleNamespace
-from typing import Protocol
+from typing import Any, Protocol
 
 import matplotlib.pyplot as plt
 import torch
 
 from aie_lessons import checks
 from aie_lessons.cached_generate import generate_cached
-from aie_lessons.generate import PromptError, check_fits_context, check_prompt
+from aie_lessons.generate import PromptError, check_prompt
 from aie_lessons.infra.paths import default_model_dir
 from aie_lessons.kv_cache import KVCache
 from aie_lessons.masks import causal_mask
@@ -198,7 +201,8 @@ import torch
 
 
 class Sampler:
-    """Owns each live request's generator, created once at admission and dropped when it ends."""
+    """Owns each live request's generator, created when the request is added and dropped when it
+    ends (a request that stage 07 preempts keeps its stream of random numbers)."""
 
     def __init__(self, device: torch.device | str = "cpu"):
         self.device = device
@@ -258,8 +262,10 @@ class Sampler:
 
 from __future__ import annotations
 
+import math
+import sys
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 
@@ -277,8 +283,8 @@ def effective_priority(request: Request, now: float, aging_rate: float) -> float
 checks.stage06.check_effective_priority(effective_priority)
 
 # %% [markdown]
-# The scheduler talks to the KV memory through a small protocol, so stage 07 can swap slots for
-# blocks without touching it. Its answer for a step is a `Schedule`: a list of **chunks**, each
+# The scheduler talks to the KV memory through a small protocol: stage 07 swaps slots for blocks
+# behind it (and teaches the scheduler to grow and preempt). Its answer for a step is a `Schedule`: a list of **chunks**, each
 # "run tokens `start … start + length − 1` of this request", where `start` is always the
 # request's `num_computed`. A chunk *samples* when it reaches the request's last token: only then
 # does the model's output at its last position predict a new token.
@@ -296,6 +302,8 @@ class KVAllocator(Protocol):
 
     def free(self, request_id: str) -> None: ...
 
+    def check_fits(self, prompt_len: int, max_new_tokens: int) -> None: ...  # refuse what never fits
+
     @property
     def used(self) -> int: ...  # units in use (slots, blocks)
 
@@ -303,7 +311,8 @@ class KVAllocator(Protocol):
 @dataclass(frozen=True)
 class SchedulerConfig:
     """The scheduler's limits. ``static=True`` is stage 04's static batching, for comparison:
-    a new group is admitted only once every request of the last one has finished."""
+    a new group is admitted only once every request of the last one has finished, and each group
+    is prefilled whole (the token budget does not apply)."""
 
     max_seqs: int = 16
     token_budget: int = 256
@@ -319,8 +328,9 @@ class SchedulerConfig:
                 f"token_budget={self.token_budget!r} < max_seqs={self.max_seqs}: every running request "
                 "decodes one token per step, so the budget must cover max_seqs tokens. Fix: raise "
                 "token_budget or lower max_seqs")
-        if isinstance(self.aging_rate, bool) or not isinstance(self.aging_rate, (int, float)) or not self.aging_rate >= 0:
-            raise ValueError(f"aging_rate={self.aging_rate!r} must be ≥ 0 (0 = fixed priorities)")
+        rate = self.aging_rate
+        if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not (math.isfinite(rate) and rate >= 0):
+            raise ValueError(f"aging_rate={rate!r} must be a finite number ≥ 0 (0 = fixed priorities)")
 
 
 @dataclass(frozen=True)
@@ -331,11 +341,12 @@ class ScheduledChunk:
     start: int
     length: int
     kv: object
+    # Whether the chunk ends at the request's last token, so that its output predicts a new one.
+    # Fixed when the chunk is made: the postprocess then grows the request past it.
+    samples: bool = field(init=False)
 
-    @property
-    def samples(self) -> bool:
-        """Whether the chunk ends at the request's last token, so its output predicts a new one."""
-        return self.start + self.length == self.request.num_tokens
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "samples", self.start + self.length == self.request.num_tokens)
 
 
 @dataclass
@@ -427,7 +438,7 @@ class Scheduler:
 
     def schedule(self) -> Schedule:
         now = self.clock()
-        budget = self.config.token_budget
+        budget = sys.maxsize if self.config.static else self.config.token_budget  # static: whole prompts
         chunks: list[ScheduledChunk] = []
         admitted: list[Request] = []
         admitting = not (self.config.static and self.running)  # static: only into an empty batch
@@ -532,7 +543,7 @@ class StepBatch:
     single_rows: torch.Tensor  # (n,) packed indices of one-token chunks, attended together
     single_slots: torch.Tensor  # (n,) their slots
     single_mask: torch.Tensor | None  # (span, 1, 1, T): slot row s sees its columns < its end
-    chunks: list[tuple[int, int, int, int]]  # longer chunks: (offset, length, slot, end)
+    chunks: list[tuple[int, int, int, int, torch.Tensor]]  # longer chunks: (offset, length, slot, end, mask)
     attention: str  # the attention backend that does the arithmetic (stage 02's or PyTorch's)
 
 
@@ -552,7 +563,7 @@ def prepare_batch(schedule: Schedule, attention: str, device: torch.device | str
             single_slots.append(chunk.kv)
             single_ends.append(end)
         else:
-            chunks.append((offset, chunk.length, chunk.kv, end))
+            chunks.append((offset, chunk.length, chunk.kv, end, causal_mask(chunk.length, end, device)[None, None]))
         if chunk.samples:
             sample_rows.append(offset + chunk.length - 1)
     single_mask = None
@@ -612,11 +623,10 @@ def slot_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torc
         rows = attend(q_rows, keys[:span, :, :width].to(q.dtype), values[:span, :, :width].to(q.dtype),
                       mask=batch.single_mask)
         out[0, :, batch.single_rows] = rows[batch.single_slots, :, 0].transpose(0, 1)
-    for offset, length, slot, end in batch.chunks:  # a chunk: the last `length` of `end` positions
+    for offset, length, slot, end, chunk_mask in batch.chunks:  # the last `length` of `end` positions
         rows = slice(offset, offset + length)
         out[:, :, rows] = attend(q[:, :, rows], keys[slot:slot + 1, :, :end].to(q.dtype),
-                                 values[slot:slot + 1, :, :end].to(q.dtype),
-                                 mask=causal_mask(length, end, q.device)[None, None])
+                                 values[slot:slot + 1, :, :end].to(q.dtype), mask=chunk_mask)
     return out
 
 
@@ -722,6 +732,8 @@ class ModelRunner:
         finally:
             model.set_attention_backend(backend)
             keep_sampled.remove()
+        if logits.is_cuda:  # the GPU runs asynchronously: wait, so that run_s is the model's time
+            torch.cuda.synchronize(logits.device)
         return logits[0]
 
 
@@ -753,11 +765,27 @@ class ModelRunner:
 from __future__ import annotations
 
 import itertools
+import math
+import operator
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import torch
+
+
+class Runner(Protocol):
+    """The engine's view of a runner: the real model (``ModelRunner``) or a script (the simulator)."""
+
+    config: Any  # the model's config: vocab_size, max_position_embeddings
+    device: torch.device | str
+    allocator: KVAllocator
+
+    def prepare(self, schedule: Schedule) -> Any: ...  # the step's inputs, built from the schedule
+
+    def run(self, batch: Any) -> torch.Tensor: ...  # logits (K, vocab), fp32: one row per sampling chunk
 
 
 def postprocess(schedule: Schedule, tokens: list[int], scheduler: Scheduler, now: float) -> list[Request]:
@@ -834,7 +862,8 @@ class StepStats:
 class Engine:
     """Continuous batching over a runner (the real model, or the simulator's scripted one)."""
 
-    def __init__(self, runner, tokenizer, stop_ids: set[int], config: SchedulerConfig = SchedulerConfig(),
+    def __init__(self, runner: Runner, tokenizer: Tokenizer, stop_ids: set[int],
+                 config: SchedulerConfig = SchedulerConfig(),
                  clock: Callable[[], float] = time.perf_counter):
         self.runner = runner
         self.tokenizer = tokenizer
@@ -845,6 +874,9 @@ class Engine:
         self.sampler = Sampler(runner.device)
         self.requests: dict[str, Request] = {}
         self.stats: list[StepStats] = []
+        self._seq = itertools.count()
+        self._stepping = False
+        self._ends: list[tuple[Request, str]] = []  # ends asked for during a step, applied after it
 
     @classmethod
     def from_model(cls, model: LlamaModel, tokenizer: Tokenizer, max_seqs: int = 16, token_budget: int = 256,
@@ -860,7 +892,11 @@ class Engine:
         if not isinstance(params, SamplingParams):
             raise SamplingParamsError(f"params must be a SamplingParams, got {type(params).__name__}. "
                                       "Fix: SamplingParams(max_new_tokens=..., temperature=...)")
-        prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        try:
+            prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [operator.index(t) for t in prompt]
+        except TypeError as exc:
+            raise PromptError(f"a prompt is a string or a sequence of integer token ids; got {prompt!r:.60}. "
+                              "Fix: pass text, or ids from tokenizer.encode") from exc
         check_prompt(prompt_ids, params, self.runner.config)
         self.runner.allocator.check_fits(len(prompt_ids), params.max_new_tokens)
         return prompt_ids
@@ -869,18 +905,19 @@ class Engine:
                     priority: float = 0.0, request_id: str | None = None,
                     on_text: Callable[[str], None] | None = None) -> Request:
         """Queue a prompt (text or token ids); refuse bad input before anything changes."""
-        if isinstance(priority, bool) or not isinstance(priority, (int, float)) or priority != priority:
-            raise ValueError(f"priority={priority!r} must be a number (larger is more urgent)")
+        if isinstance(priority, bool) or not isinstance(priority, (int, float)) or not math.isfinite(priority):
+            raise ValueError(f"priority={priority!r} must be a finite number (larger is more urgent)")
         prompt_ids = self.check_request(prompt, params)
-        if request_id is None:  # the first free "rN": a caller may have named one of them already
-            request_id = next(f"r{n}" for n in itertools.count(len(self.requests)) if f"r{n}" not in self.requests)
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use. Fix: a new id, or none "
                              "(the engine numbers requests itself)")
+        seq = next(self._seq)
+        if request_id is None:  # the first free "rN": a caller may have named one of them already
+            request_id = next(f"r{n}" for n in itertools.count(seq) if f"r{n}" not in self.requests)
+        on_text = on_text and self._guarded(request_id, on_text)
         stream = OutputStream(self.tokenizer, prompt_ids, params, self.stop_ids, on_text)
         now = self.clock()
-        request = Request(request_id, len(self.requests), prompt_ids, params, stream, priority,
-                          RequestMetrics(arrival=now))
+        request = Request(request_id, seq, prompt_ids, params, stream, priority, RequestMetrics(arrival=now))
         self.requests[request_id] = request
         if stream.finished:  # max_new_tokens=0: nothing to compute
             self.scheduler.finish(request, "length", now)
@@ -889,8 +926,31 @@ class Engine:
             self.sampler.add(request)
         return request
 
+    def _guarded(self, request_id: str, on_text: Callable[[str], None]) -> Callable[[str], None]:
+        """The caller's callback, made safe: if it raises, its own request ends, never the engine."""
+        def call(text: str) -> None:
+            try:
+                on_text(text)
+            except Exception as exc:  # a client's bug must not disturb the other requests
+                warnings.warn(f"on_text of request {request_id!r} raised {type(exc).__name__}: {exc}; "
+                              "that request is ended with finish_reason 'error'")
+                self._end(self.requests[request_id], "error")
+        return call
+
+    def _end(self, request: Request, reason: str) -> None:
+        """Finish a request for the engine's own reasons (abort, a failed callback). During a step
+        (a callback may call abort) it waits for the step's end: the postprocess owns the request."""
+        if self._stepping:
+            self._ends.append((request, reason))
+            return
+        if request.status is not RequestStatus.FINISHED:
+            self.scheduler.finish(request, reason, self.clock())
+            request.result.finish_reason = reason
+            self.sampler.remove(request.id)
+
     def abort(self, request_id: str) -> bool:
-        """End a request now and free its KV; False if it had already finished."""
+        """End a request and free its KV (at the end of the step, if one is running); False if it had
+        already finished."""
         request = self.requests.get(request_id)
         if request is None:
             known = ", ".join(list(self.requests)[-5:]) or "none yet"
@@ -898,31 +958,41 @@ class Engine:
                                       "abort an id that add_request returned")
         if request.status is RequestStatus.FINISHED:
             return False
-        self.scheduler.finish(request, "abort", self.clock())
-        request.result.finish_reason = "abort"
-        self.sampler.remove(request_id)
+        self._end(request, "abort")
         return True
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()
 
     def step(self) -> list[Request]:
-        """One iteration: schedule, prepare, run, sample, postprocess. Returns the finished requests."""
+        """One iteration: schedule, prepare, run, sample, postprocess. Returns the requests that
+        finished in it (aborted ones included); an idle engine does nothing."""
+        if not self.has_work():
+            return []
         start, t0 = self.clock(), time.perf_counter()
-        schedule = self.scheduler.schedule()
-        if not schedule.chunks:  # with work waiting, an empty step would repeat forever
-            raise RuntimeError(f"the scheduler scheduled nothing although {len(self.scheduler.waiting)} "
-                               f"requests wait and {len(self.scheduler.running)} run: check schedule()")
-        t1 = time.perf_counter()
-        batch = self.runner.prepare(schedule)
-        t2 = time.perf_counter()
-        logits = self.runner.run(batch)
-        t3 = time.perf_counter()
-        tokens = self.sampler.sample(logits, [c.request for c in schedule.sampling])
-        t4 = time.perf_counter()
-        finished = postprocess(schedule, tokens, self.scheduler, self.clock())
+        self._stepping = True
+        try:
+            schedule = self.scheduler.schedule()
+            if not schedule.chunks:  # with work waiting, an empty step would repeat forever
+                raise RuntimeError(f"the scheduler scheduled nothing although {len(self.scheduler.waiting)} "
+                                   f"requests wait and {len(self.scheduler.running)} run: check schedule()")
+            t1 = time.perf_counter()
+            batch = self.runner.prepare(schedule)
+            t2 = time.perf_counter()
+            logits = self.runner.run(batch)
+            t3 = time.perf_counter()
+            tokens = self.sampler.sample(logits, [c.request for c in schedule.sampling])
+            t4 = time.perf_counter()
+            finished = postprocess(schedule, tokens, self.scheduler, self.clock())
+        finally:
+            self._stepping = False
         for request in finished:
             self.sampler.remove(request.id)
+        ends, self._ends = self._ends, []
+        for request, reason in ends:
+            if request.status is not RequestStatus.FINISHED:
+                self._end(request, reason)
+                finished.append(request)
         t5 = time.perf_counter()
         self.stats.append(StepStats(
             len(self.stats), start, self.clock(), t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4,
@@ -934,6 +1004,8 @@ class Engine:
     def generate(self, prompts: Sequence[str | Sequence[int]],
                  params: SamplingParams | Sequence[SamplingParams] = SamplingParams()) -> list[GenerationResult]:
         """Run prompts to completion; results in the prompts' order. Every prompt is checked first."""
+        if isinstance(prompts, str):
+            raise TypeError("generate takes a list of prompts. Fix: generate([prompt]) for one")
         params = params_per_row(params, len(prompts))
         prompt_ids = [self.check_request(prompt, p) for prompt, p in zip(prompts, params)]  # all, first
         requests = [self.add_request(ids, p) for ids, p in zip(prompt_ids, params)]
@@ -1111,6 +1183,8 @@ def plot_timeline(ax, engine: Engine, title: str) -> None:
     requests = sorted(engine.requests.values(), key=lambda r: r.seq)
     for row, request in enumerate(requests):
         m = request.metrics
+        if m.first_scheduled is None or m.first_token is None:  # aborted while waiting, or no tokens asked
+            continue
         ax.barh(row, (m.first_scheduled - m.arrival) * 1000, left=m.arrival * 1000, color="lightgrey")
         ax.barh(row, (m.first_token - m.first_scheduled) * 1000, left=m.first_scheduled * 1000, color="tab:orange")
         ax.barh(row, (m.finished - m.first_token) * 1000, left=m.first_token * 1000, color="tab:blue")

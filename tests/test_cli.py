@@ -234,12 +234,12 @@ def test_bad_prompts_get_one_line_naming_the_fix(args, message, tiny_dir, tmp_pa
 
 def test_engine_gives_stage04s_tokens_on_the_real_model(real_model, real_model_dir):
     """Greedy, two prompts sharing the engine (budget 7: the longer prompt is prefilled in chunks)
-    give exactly what stage 04 gives each alone. Both prompts are far from fp32 ties for these
-    12 tokens (tests/test_engine_oracle.py measures their margins)."""
+    give exactly what stage 04 gives each alone. Both prompts are far from fp32 ties for their
+    first tokens (tests/test_engine_oracle.py measures the margins)."""
     prompts = ["The history of the lighthouse begins with fires on hills.", "The capital of France is"]
-    results = json_lines(run("generate", *prompts, "--model", str(real_model_dir), "--max-new-tokens", "12",
+    results = json_lines(run("generate", *prompts, "--model", str(real_model_dir), "--max-new-tokens", "8",
                              "--max-seqs", "2", "--token-budget", "7", "--json"))
-    expected = stage04(real_model_dir, prompts, 12, real_model)
+    expected = stage04(real_model_dir, prompts, 8, real_model)
     assert [(r["prompt_ids"], r["token_ids"], r["text"]) for r in results] == \
         [(e.prompt_ids, e.token_ids, e.text) for e in expected]
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import sys
+import time
+
 import pytest
 
 from aie_lessons import checks
@@ -34,6 +37,10 @@ def divides_by_the_rate(request, now, aging_rate):
     return request.priority + (now - request.arrival) / aging_rate
 
 
+def reads_a_field_requests_lack(request, now, aging_rate):
+    return request.priority + aging_rate * (now - request.arrival_time)
+
+
 def test_effective_priority_check_passes_the_reference():
     checks.stage06.check_effective_priority(effective_priority)
 
@@ -44,6 +51,7 @@ def test_effective_priority_check_passes_the_reference():
     (ages_by_the_clock, "since \\*its\\* arrival"),
     (scales_the_priority, "is not multiplied"),
     (divides_by_the_rate, "you divided by aging_rate"),
+    (reads_a_field_requests_lack, "raised AttributeError"),
 ])
 def test_effective_priority_check_names_the_mistake(wrong, message):
     with names_the_mistake("6.1", message):
@@ -55,8 +63,8 @@ def scheduler_with(name: str, **mistake):
     """The reference step with one mistake a learner could make."""
 
     def schedule(self) -> Schedule:
-        now = self.clock()
-        budget = self.config.token_budget
+        now = time.time() if mistake.get("wall_clock") else self.clock()
+        budget = sys.maxsize if self.config.static else self.config.token_budget
         chunks, admitted = [], []
         admitting = not (self.config.static and self.running) or mistake.get("ignores_static")
         ordered = self.running if mistake.get("no_decode_first") else sorted(self.running, key=lambda r: r.remaining > 1)
@@ -67,6 +75,8 @@ def scheduler_with(name: str, **mistake):
             start = 0 if mistake.get("start_at_zero") else request.num_computed
             chunks.append(ScheduledChunk(request, start, length, self.allocator.handle(request.id)))
             budget -= length
+            if mistake.get("advances_progress"):
+                request.num_computed += length
         limit = 10**9 if mistake.get("ignores_max_seqs") else self.config.max_seqs
         while admitting and self.waiting and budget > 0 and len(self.running) < limit:
             if mistake.get("fifo"):
@@ -104,6 +114,8 @@ def test_schedule_check_passes_the_reference():
     (scheduler_with("IgnoresMaxSeqs", ignores_max_seqs=True), "over max_seqs"),
     (scheduler_with("WholePromptsOnly", whole_prompts_only=True), "chunked prefill"),
     (scheduler_with("IgnoresStatic", ignores_static=True), "static batch"),
+    (scheduler_with("AdvancesProgress", advances_progress=True), "it only plans"),
+    (scheduler_with("WallClock", wall_clock=True), "the scheduler's clock"),
 ])
 def test_schedule_check_names_the_mistake(wrong, message):
     with names_the_mistake("6.2", message):
@@ -164,7 +176,10 @@ def postprocess_with(name: str, **mistake):
             if mistake.get("always_stamp") or request.metrics.first_token is None:
                 request.metrics.first_token = now
             if request.stream.push(token):
-                if not mistake.get("never_free"):
+                if mistake.get("frees_only_the_kv"):
+                    scheduler.allocator.free(request.id)
+                    request.finish_reason = request.result.finish_reason
+                elif not mistake.get("never_free"):
                     scheduler.finish(request, request.result.finish_reason, now)
                 finished.append(request)
         return finished
@@ -183,6 +198,7 @@ def test_postprocess_check_passes_the_reference():
     (postprocess_with("token_per_chunk", token_per_chunk=True), "line up with the sampling chunks"),
     (postprocess_with("always_stamp", always_stamp=True), "first_token was overwritten"),
     (postprocess_with("never_free", never_free=True), "a slot never freed"),
+    (postprocess_with("frees_only_the_kv", frees_only_the_kv=True), "still in scheduler.running"),
 ])
 def test_postprocess_check_names_the_mistake(wrong, message):
     with names_the_mistake("6.4", message):

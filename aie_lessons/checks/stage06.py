@@ -23,7 +23,6 @@ class _Request:
     seq: int
     prompt_ids: list[int]
     priority: float = 0.0
-    arrival_time: float = 0.0
     output_ids: list[int] = field(default_factory=list)
     num_computed: int = 0
     status: object = None
@@ -32,8 +31,8 @@ class _Request:
     stream: object = None
 
     def __post_init__(self) -> None:
-        self.metrics = SimpleNamespace(arrival=self.arrival_time, first_scheduled=None, first_token=None,
-                                       finished=None)
+        # Like the engine's Request, the arrival is kept in the metrics (and read through `arrival`).
+        self.metrics = SimpleNamespace(arrival=0.0, first_scheduled=None, first_token=None, finished=None)
 
     @property
     def arrival(self) -> float:
@@ -100,7 +99,7 @@ def check_effective_priority(effective_priority) -> None:
     for _ in range(20):
         priority = rng.choice([0.0, 1.0, 5.0, -2.0])
         arrival = rng.uniform(0, 10)
-        request = _Request("r", 0, [1], priority=priority, arrival_time=arrival)
+        request = _request("r", 0, 1, priority=priority, arrival=arrival)
         now, rate = arrival + rng.uniform(0.5, 20), rng.choice([0.5, 2.0, 10.0])
         got = call(ex, effective_priority, request, now, rate)
         if isinstance(got, bool) or not isinstance(got, (int, float)):
@@ -145,7 +144,8 @@ class _Case:
 
 def _request(rid: str, seq: int, prompt: int, computed: int = 0, outputs: int = 0, priority: float = 0.0,
              arrival: float = 0.0) -> _Request:
-    r = _Request(rid, seq, list(range(1, prompt + 1)), priority=priority, arrival_time=arrival)
+    r = _Request(rid, seq, list(range(1, prompt + 1)), priority=priority)
+    r.metrics.arrival = arrival
     r.output_ids = [7] * outputs
     r.num_computed = computed
     return r
@@ -209,7 +209,7 @@ def _cases() -> list[_Case]:
 
 def _reference_schedule(case: _Case) -> tuple[list[tuple[str, int, int]], list[str]]:
     """The rules of exercise 6.2, step by step: (id, start, length) per chunk, and the admitted ids."""
-    budget, chunks, admitted = case.budget, [], []
+    budget, chunks, admitted = (10**9 if case.static else case.budget), [], []
     running = sorted(case.running, key=lambda r: r.remaining > 1)
     for r in running:
         length = min(r.remaining, budget)
@@ -315,7 +315,13 @@ def check_schedule(Scheduler, ScheduledChunk, SchedulerConfig) -> None:
         for case in _cases():
             case = _fresh(case)
             want, want_admitted = _reference_schedule(case)
+            progress = {r.id: (r.num_computed, len(r.output_ids)) for r in case.running + case.waiting}
             scheduler, allocator, schedule = _run_schedule(ex, Scheduler, SchedulerConfig, case)
+            moved = [r.id for r in case.running + case.waiting
+                     if (r.num_computed, len(r.output_ids)) != progress[r.id]]
+            if moved:
+                fail(ex, f"schedule() changed the progress of {moved}: it only plans — the postprocess "
+                         "advances num_computed once the model has really run the chunk")
             chunks = getattr(schedule, "chunks", None)
             if not isinstance(chunks, list) or not all(isinstance(c, ScheduledChunk) for c in chunks):
                 fail(ex, "return Schedule(chunks, admitted) with a list of ScheduledChunk")
@@ -328,6 +334,10 @@ def check_schedule(Scheduler, ScheduledChunk, SchedulerConfig) -> None:
                              "request, and the handle admit() returns for a new one")
             if got != want or admitted != want_admitted:
                 _diagnose(ex, case, got, admitted, scheduler, want, want_admitted)
+            for r in schedule.admitted:
+                if r.metrics.first_scheduled != case.now:
+                    fail(ex, f"{r.id} was admitted at {r.metrics.first_scheduled!r}, but the scheduler's clock "
+                             f"said {case.now}: read the time once from self.clock() and admit with it")
     passed(ex, "decodes first, chunks from num_computed within the budget, admission by effective priority "
                "within max_seqs and the allocator, in every case")
 
@@ -443,6 +453,10 @@ def check_postprocess(postprocess, Scheduler, SchedulerConfig, ScheduledChunk, S
     if still_held:
         fail(ex, f"{still_held} finished but still hold their KV slot: a slot never freed — call "
                  "scheduler.finish(request, request.result.finish_reason, now) when stream.push says finished")
+    lingering = sorted(rid for rid in ended if requests[rid] in scheduler.running)
+    if lingering:
+        fail(ex, f"{lingering} finished but are still in scheduler.running: end a request through "
+                 "scheduler.finish, which takes it out of the queue and frees its KV")
     if not isinstance(finished, list) or sorted(r.id for r in finished) != sorted(ended):
         got = sorted(getattr(r, "id", r) for r in finished) if isinstance(finished, list) else finished
         fail(ex, f"return the requests that finished this step ({sorted(ended)}), got {got}")

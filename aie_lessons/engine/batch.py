@@ -10,6 +10,8 @@ import torch
 
 from typing import TYPE_CHECKING
 
+from aie_lessons.masks import causal_mask
+
 if TYPE_CHECKING:
     from aie_lessons.engine.scheduler import Schedule, ScheduledChunk
 
@@ -31,7 +33,7 @@ class StepBatch:
     single_rows: torch.Tensor  # (n,) packed indices of one-token chunks, attended together
     single_slots: torch.Tensor  # (n,) their slots
     single_mask: torch.Tensor | None  # (span, 1, 1, T): slot row s sees its columns < its end
-    chunks: list[tuple[int, int, int, int]]  # longer chunks: (offset, length, slot, end)
+    chunks: list[tuple[int, int, int, int, torch.Tensor]]  # longer chunks: (offset, length, slot, end, mask)
     attention: str  # the attention backend that does the arithmetic (stage 02's or PyTorch's)
 
 
@@ -51,7 +53,7 @@ def prepare_batch(schedule: Schedule, attention: str, device: torch.device | str
             single_slots.append(chunk.kv)
             single_ends.append(end)
         else:
-            chunks.append((offset, chunk.length, chunk.kv, end))
+            chunks.append((offset, chunk.length, chunk.kv, end, causal_mask(chunk.length, end, device)[None, None]))
         if chunk.samples:
             sample_rows.append(offset + chunk.length - 1)
     single_mask = None

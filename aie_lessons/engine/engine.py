@@ -5,9 +5,13 @@
 from __future__ import annotations
 
 import itertools
+import math
+import operator
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import torch
 
@@ -16,14 +20,26 @@ from typing import TYPE_CHECKING
 from aie_lessons.engine.request import Request, RequestMetrics, RequestStatus
 from aie_lessons.engine.runner import ModelRunner
 from aie_lessons.engine.sampler import Sampler
-from aie_lessons.engine.scheduler import Schedule, Scheduler, SchedulerConfig
-from aie_lessons.generate import check_prompt
+from aie_lessons.engine.scheduler import KVAllocator, Schedule, Scheduler, SchedulerConfig
+from aie_lessons.generate import PromptError, check_prompt
 from aie_lessons.output import GenerationResult, OutputStream, stop_token_ids
 from aie_lessons.sampling import SamplingParams, SamplingParamsError, params_per_row
 
 if TYPE_CHECKING:
     from aie_lessons.model import LlamaModel
     from aie_lessons.tokenizer import Tokenizer
+
+
+class Runner(Protocol):
+    """The engine's view of a runner: the real model (``ModelRunner``) or a script (the simulator)."""
+
+    config: Any  # the model's config: vocab_size, max_position_embeddings
+    device: torch.device | str
+    allocator: KVAllocator
+
+    def prepare(self, schedule: Schedule) -> Any: ...  # the step's inputs, built from the schedule
+
+    def run(self, batch: Any) -> torch.Tensor: ...  # logits (K, vocab), fp32: one row per sampling chunk
 
 
 def postprocess(schedule: Schedule, tokens: list[int], scheduler: Scheduler, now: float) -> list[Request]:
@@ -84,7 +100,8 @@ class StepStats:
 class Engine:
     """Continuous batching over a runner (the real model, or the simulator's scripted one)."""
 
-    def __init__(self, runner, tokenizer, stop_ids: set[int], config: SchedulerConfig = SchedulerConfig(),
+    def __init__(self, runner: Runner, tokenizer: Tokenizer, stop_ids: set[int],
+                 config: SchedulerConfig = SchedulerConfig(),
                  clock: Callable[[], float] = time.perf_counter):
         self.runner = runner
         self.tokenizer = tokenizer
@@ -95,6 +112,9 @@ class Engine:
         self.sampler = Sampler(runner.device)
         self.requests: dict[str, Request] = {}
         self.stats: list[StepStats] = []
+        self._seq = itertools.count()
+        self._stepping = False
+        self._ends: list[tuple[Request, str]] = []  # ends asked for during a step, applied after it
 
     @classmethod
     def from_model(cls, model: LlamaModel, tokenizer: Tokenizer, max_seqs: int = 16, token_budget: int = 256,
@@ -110,7 +130,11 @@ class Engine:
         if not isinstance(params, SamplingParams):
             raise SamplingParamsError(f"params must be a SamplingParams, got {type(params).__name__}. "
                                       "Fix: SamplingParams(max_new_tokens=..., temperature=...)")
-        prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        try:
+            prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [operator.index(t) for t in prompt]
+        except TypeError as exc:
+            raise PromptError(f"a prompt is a string or a sequence of integer token ids; got {prompt!r:.60}. "
+                              "Fix: pass text, or ids from tokenizer.encode") from exc
         check_prompt(prompt_ids, params, self.runner.config)
         self.runner.allocator.check_fits(len(prompt_ids), params.max_new_tokens)
         return prompt_ids
@@ -119,18 +143,19 @@ class Engine:
                     priority: float = 0.0, request_id: str | None = None,
                     on_text: Callable[[str], None] | None = None) -> Request:
         """Queue a prompt (text or token ids); refuse bad input before anything changes."""
-        if isinstance(priority, bool) or not isinstance(priority, (int, float)) or priority != priority:
-            raise ValueError(f"priority={priority!r} must be a number (larger is more urgent)")
+        if isinstance(priority, bool) or not isinstance(priority, (int, float)) or not math.isfinite(priority):
+            raise ValueError(f"priority={priority!r} must be a finite number (larger is more urgent)")
         prompt_ids = self.check_request(prompt, params)
-        if request_id is None:  # the first free "rN": a caller may have named one of them already
-            request_id = next(f"r{n}" for n in itertools.count(len(self.requests)) if f"r{n}" not in self.requests)
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use. Fix: a new id, or none "
                              "(the engine numbers requests itself)")
+        seq = next(self._seq)
+        if request_id is None:  # the first free "rN": a caller may have named one of them already
+            request_id = next(f"r{n}" for n in itertools.count(seq) if f"r{n}" not in self.requests)
+        on_text = on_text and self._guarded(request_id, on_text)
         stream = OutputStream(self.tokenizer, prompt_ids, params, self.stop_ids, on_text)
         now = self.clock()
-        request = Request(request_id, len(self.requests), prompt_ids, params, stream, priority,
-                          RequestMetrics(arrival=now))
+        request = Request(request_id, seq, prompt_ids, params, stream, priority, RequestMetrics(arrival=now))
         self.requests[request_id] = request
         if stream.finished:  # max_new_tokens=0: nothing to compute
             self.scheduler.finish(request, "length", now)
@@ -139,8 +164,31 @@ class Engine:
             self.sampler.add(request)
         return request
 
+    def _guarded(self, request_id: str, on_text: Callable[[str], None]) -> Callable[[str], None]:
+        """The caller's callback, made safe: if it raises, its own request ends, never the engine."""
+        def call(text: str) -> None:
+            try:
+                on_text(text)
+            except Exception as exc:  # a client's bug must not disturb the other requests
+                warnings.warn(f"on_text of request {request_id!r} raised {type(exc).__name__}: {exc}; "
+                              "that request is ended with finish_reason 'error'")
+                self._end(self.requests[request_id], "error")
+        return call
+
+    def _end(self, request: Request, reason: str) -> None:
+        """Finish a request for the engine's own reasons (abort, a failed callback). During a step
+        (a callback may call abort) it waits for the step's end: the postprocess owns the request."""
+        if self._stepping:
+            self._ends.append((request, reason))
+            return
+        if request.status is not RequestStatus.FINISHED:
+            self.scheduler.finish(request, reason, self.clock())
+            request.result.finish_reason = reason
+            self.sampler.remove(request.id)
+
     def abort(self, request_id: str) -> bool:
-        """End a request now and free its KV; False if it had already finished."""
+        """End a request and free its KV (at the end of the step, if one is running); False if it had
+        already finished."""
         request = self.requests.get(request_id)
         if request is None:
             known = ", ".join(list(self.requests)[-5:]) or "none yet"
@@ -148,31 +196,41 @@ class Engine:
                                       "abort an id that add_request returned")
         if request.status is RequestStatus.FINISHED:
             return False
-        self.scheduler.finish(request, "abort", self.clock())
-        request.result.finish_reason = "abort"
-        self.sampler.remove(request_id)
+        self._end(request, "abort")
         return True
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()
 
     def step(self) -> list[Request]:
-        """One iteration: schedule, prepare, run, sample, postprocess. Returns the finished requests."""
+        """One iteration: schedule, prepare, run, sample, postprocess. Returns the requests that
+        finished in it (aborted ones included); an idle engine does nothing."""
+        if not self.has_work():
+            return []
         start, t0 = self.clock(), time.perf_counter()
-        schedule = self.scheduler.schedule()
-        if not schedule.chunks:  # with work waiting, an empty step would repeat forever
-            raise RuntimeError(f"the scheduler scheduled nothing although {len(self.scheduler.waiting)} "
-                               f"requests wait and {len(self.scheduler.running)} run: check schedule()")
-        t1 = time.perf_counter()
-        batch = self.runner.prepare(schedule)
-        t2 = time.perf_counter()
-        logits = self.runner.run(batch)
-        t3 = time.perf_counter()
-        tokens = self.sampler.sample(logits, [c.request for c in schedule.sampling])
-        t4 = time.perf_counter()
-        finished = postprocess(schedule, tokens, self.scheduler, self.clock())
+        self._stepping = True
+        try:
+            schedule = self.scheduler.schedule()
+            if not schedule.chunks:  # with work waiting, an empty step would repeat forever
+                raise RuntimeError(f"the scheduler scheduled nothing although {len(self.scheduler.waiting)} "
+                                   f"requests wait and {len(self.scheduler.running)} run: check schedule()")
+            t1 = time.perf_counter()
+            batch = self.runner.prepare(schedule)
+            t2 = time.perf_counter()
+            logits = self.runner.run(batch)
+            t3 = time.perf_counter()
+            tokens = self.sampler.sample(logits, [c.request for c in schedule.sampling])
+            t4 = time.perf_counter()
+            finished = postprocess(schedule, tokens, self.scheduler, self.clock())
+        finally:
+            self._stepping = False
         for request in finished:
             self.sampler.remove(request.id)
+        ends, self._ends = self._ends, []
+        for request, reason in ends:
+            if request.status is not RequestStatus.FINISHED:
+                self._end(request, reason)
+                finished.append(request)
         t5 = time.perf_counter()
         self.stats.append(StepStats(
             len(self.stats), start, self.clock(), t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4,
@@ -184,6 +242,8 @@ class Engine:
     def generate(self, prompts: Sequence[str | Sequence[int]],
                  params: SamplingParams | Sequence[SamplingParams] = SamplingParams()) -> list[GenerationResult]:
         """Run prompts to completion; results in the prompts' order. Every prompt is checked first."""
+        if isinstance(prompts, str):
+            raise TypeError("generate takes a list of prompts. Fix: generate([prompt]) for one")
         params = params_per_row(params, len(prompts))
         prompt_ids = [self.check_request(prompt, p) for prompt, p in zip(prompts, params)]  # all, first
         requests = [self.add_request(ids, p) for ids, p in zip(prompt_ids, params)]

@@ -52,4 +52,6 @@ class ModelRunner:
         finally:
             model.set_attention_backend(backend)
             keep_sampled.remove()
+        if logits.is_cuda:  # the GPU runs asynchronously: wait, so that run_s is the model's time
+            torch.cuda.synchronize(logits.device)
         return logits[0]

@@ -15,7 +15,8 @@ if TYPE_CHECKING:
 
 
 class Sampler:
-    """Owns each live request's generator, created once at admission and dropped when it ends."""
+    """Owns each live request's generator, created when the request is added and dropped when it
+    ends (a request that stage 07 preempts keeps its stream of random numbers)."""
 
     def __init__(self, device: torch.device | str = "cpu"):
         self.device = device

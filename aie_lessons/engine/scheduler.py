@@ -4,8 +4,10 @@
 
 from __future__ import annotations
 
+import math
+import sys
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from aie_lessons.engine.request import Request, RequestStatus
@@ -27,6 +29,8 @@ class KVAllocator(Protocol):
 
     def free(self, request_id: str) -> None: ...
 
+    def check_fits(self, prompt_len: int, max_new_tokens: int) -> None: ...  # refuse what never fits
+
     @property
     def used(self) -> int: ...  # units in use (slots, blocks)
 
@@ -34,7 +38,8 @@ class KVAllocator(Protocol):
 @dataclass(frozen=True)
 class SchedulerConfig:
     """The scheduler's limits. ``static=True`` is stage 04's static batching, for comparison:
-    a new group is admitted only once every request of the last one has finished."""
+    a new group is admitted only once every request of the last one has finished, and each group
+    is prefilled whole (the token budget does not apply)."""
 
     max_seqs: int = 16
     token_budget: int = 256
@@ -50,8 +55,9 @@ class SchedulerConfig:
                 f"token_budget={self.token_budget!r} < max_seqs={self.max_seqs}: every running request "
                 "decodes one token per step, so the budget must cover max_seqs tokens. Fix: raise "
                 "token_budget or lower max_seqs")
-        if isinstance(self.aging_rate, bool) or not isinstance(self.aging_rate, (int, float)) or not self.aging_rate >= 0:
-            raise ValueError(f"aging_rate={self.aging_rate!r} must be ≥ 0 (0 = fixed priorities)")
+        rate = self.aging_rate
+        if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not (math.isfinite(rate) and rate >= 0):
+            raise ValueError(f"aging_rate={rate!r} must be a finite number ≥ 0 (0 = fixed priorities)")
 
 
 @dataclass(frozen=True)
@@ -62,11 +68,12 @@ class ScheduledChunk:
     start: int
     length: int
     kv: object
+    # Whether the chunk ends at the request's last token, so that its output predicts a new one.
+    # Fixed when the chunk is made: the postprocess then grows the request past it.
+    samples: bool = field(init=False)
 
-    @property
-    def samples(self) -> bool:
-        """Whether the chunk ends at the request's last token, so its output predicts a new one."""
-        return self.start + self.length == self.request.num_tokens
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "samples", self.start + self.length == self.request.num_tokens)
 
 
 @dataclass
@@ -137,7 +144,7 @@ class Scheduler:
 
     def schedule(self) -> Schedule:
         now = self.clock()
-        budget = self.config.token_budget
+        budget = sys.maxsize if self.config.static else self.config.token_budget  # static: whole prompts
         chunks: list[ScheduledChunk] = []
         admitted: list[Request] = []
         admitting = not (self.config.static and self.running)  # static: only into an empty batch

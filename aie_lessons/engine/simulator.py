@@ -136,6 +136,8 @@ def plot_timeline(ax, engine: Engine, title: str) -> None:
     requests = sorted(engine.requests.values(), key=lambda r: r.seq)
     for row, request in enumerate(requests):
         m = request.metrics
+        if m.first_scheduled is None or m.first_token is None:  # aborted while waiting, or no tokens asked
+            continue
         ax.barh(row, (m.first_scheduled - m.arrival) * 1000, left=m.arrival * 1000, color="lightgrey")
         ax.barh(row, (m.first_token - m.first_scheduled) * 1000, left=m.first_scheduled * 1000, color="tab:orange")
         ax.barh(row, (m.finished - m.first_token) * 1000, left=m.first_token * 1000, color="tab:blue")

@@ -8,7 +8,6 @@ import torch
 
 from typing import TYPE_CHECKING
 
-from aie_lessons.masks import causal_mask
 from aie_lessons.model import ATTENTION_BACKENDS, register_attention_backend
 
 if TYPE_CHECKING:
@@ -44,9 +43,8 @@ def slot_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torc
         rows = attend(q_rows, keys[:span, :, :width].to(q.dtype), values[:span, :, :width].to(q.dtype),
                       mask=batch.single_mask)
         out[0, :, batch.single_rows] = rows[batch.single_slots, :, 0].transpose(0, 1)
-    for offset, length, slot, end in batch.chunks:  # a chunk: the last `length` of `end` positions
+    for offset, length, slot, end, chunk_mask in batch.chunks:  # the last `length` of `end` positions
         rows = slice(offset, offset + length)
         out[:, :, rows] = attend(q[:, :, rows], keys[slot:slot + 1, :, :end].to(q.dtype),
-                                 values[slot:slot + 1, :, :end].to(q.dtype),
-                                 mask=causal_mask(length, end, q.device)[None, None])
+                                 values[slot:slot + 1, :, :end].to(q.dtype), mask=chunk_mask)
     return out
