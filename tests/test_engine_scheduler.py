@@ -7,6 +7,7 @@ bad-input tests need a real forward pass and use the tiny random checkpoint.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import random
 from collections import Counter, defaultdict
@@ -16,7 +17,8 @@ import pytest
 from aie_lessons.engine.engine import Engine, StepStats, UnknownRequestError
 from aie_lessons.engine.request import Request, RequestStatus
 from aie_lessons.engine.scheduler import SchedulerConfig
-from aie_lessons.engine.simulator import Arrival, StepCost, simulate, trace
+from aie_lessons.engine.simulator import (Arrival, ScriptedRunner, ScriptTokenizer, SimClock, StepCost,
+                                          simulate, trace)
 from aie_lessons.generate import ContextLengthError, PromptError
 from aie_lessons.model import LlamaModel
 from aie_lessons.sampling import SamplingParams, SamplingParamsError
@@ -453,3 +455,62 @@ def test_engine_numbers_requests_around_ids_given_by_the_caller(tiny):
     named = engine.add_request([5, 6], params, request_id="r2")
     third = engine.add_request([5, 6], params)
     assert len({first.id, named.id, third.id}) == 3 and engine.requests[third.id] is third
+
+
+def scripted_engine(max_seqs: int = 4, token_budget: int = 16) -> Engine:
+    clock = SimClock()
+    return Engine(ScriptedRunner(clock, max_seqs=max_seqs), ScriptTokenizer(), {0},
+                  SchedulerConfig(max_seqs=max_seqs, token_budget=token_budget), clock)
+
+
+def test_streamed_text_is_the_result_text_in_a_mixed_batch():
+    engine = scripted_engine()
+    streamed: dict[str, str] = defaultdict(str)
+    requests = [engine.add_request([1] * n, SamplingParams(max_new_tokens=m, ignore_eos=True),
+                                   on_text=lambda text, i=i: streamed.__setitem__(i, streamed[i] + text))
+                for i, (n, m) in enumerate([(3, 5), (20, 2), (7, 9)])]
+    while engine.has_work():
+        engine.step()
+    assert [streamed[i] for i in range(3)] == [r.result.text for r in requests]
+    assert all(r.result.text for r in requests)
+
+
+def test_a_raising_callback_ends_its_own_request_only():
+    def run(bad: bool) -> tuple[list[list[int]], Request]:
+        engine = scripted_engine()
+        calls = []
+
+        def explode(text: str) -> None:
+            calls.append(text)
+            raise RuntimeError("client went away")
+
+        others = [engine.add_request([1] * 4, SamplingParams(max_new_tokens=6, ignore_eos=True)) for _ in range(2)]
+        victim = engine.add_request([1] * 4, SamplingParams(max_new_tokens=6, ignore_eos=True),
+                                    on_text=explode if bad else None)
+        with pytest.warns(UserWarning, match="client went away") if bad else contextlib.nullcontext():
+            while engine.has_work():
+                engine.step()
+        assert not bad or len(calls) == 1  # the callback is not called again after it raised
+        return [r.output_ids for r in others], victim
+
+    clean, _ = run(bad=False)
+    disturbed, victim = run(bad=True)
+    assert disturbed == clean
+    assert victim.finish_reason == victim.result.finish_reason == "error"
+    assert len(victim.output_ids) == 1
+
+
+def test_abort_from_a_callback_takes_effect_after_the_step():
+    engine = scripted_engine()
+    keeper = engine.add_request([1] * 3, SamplingParams(max_new_tokens=5, ignore_eos=True))
+    target = engine.add_request([1] * 3, SamplingParams(max_new_tokens=50, ignore_eos=True),
+                                on_text=lambda text: engine.abort(target.id) if len(target.output_ids) == 2 else None)
+    finished_per_step = []
+    while engine.has_work():
+        finished_per_step.append([r.id for r in engine.step()])
+    assert target.finish_reason == target.result.finish_reason == "abort"
+    assert len(target.output_ids) == 2
+    assert finished_per_step[1] == [target.id]  # reported in the step it was aborted in, once
+    assert sum(ids.count(target.id) for ids in finished_per_step) == 1
+    assert keeper.finish_reason == "length" and len(keeper.output_ids) == 5
+    assert engine.runner.allocator.used == 0 and engine.step() == []  # idle: nothing to do
