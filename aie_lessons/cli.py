@@ -7,6 +7,13 @@ import json
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # names for annotations only: see is_course_error for why nothing is imported up front
+    from aie_lessons.model import LlamaModel
+    from aie_lessons.output import GenerationResult
+    from aie_lessons.sampling import SamplingParams
+    from aie_lessons.tokenizer import Tokenizer
 
 
 def _fetch_model(args: argparse.Namespace) -> int:
@@ -129,7 +136,7 @@ def _loop(args: argparse.Namespace, count: int) -> str:
     return loop
 
 
-def _as_json(result, seed: int | None, timings: dict[str, float]) -> str:
+def _as_json(result: GenerationResult, seed: int | None, timings: dict[str, float]) -> str:
     return json.dumps({"prompt_ids": result.prompt_ids, "token_ids": result.token_ids, "text": result.text,
                        "finish_reason": result.finish_reason, "seed": seed, "timings": timings},
                       ensure_ascii=False)
@@ -181,8 +188,8 @@ def _preview(prompt: str, width: int = 60) -> str:
     return line if len(line) <= width else line[: width - 1] + "…"
 
 
-def _run_engine(args: argparse.Namespace, model, tokenizer, prompts: list[str], prompt_ids: list[list[int]],
-                params) -> None:
+def _run_engine(args: argparse.Namespace, model: LlamaModel, tokenizer: Tokenizer, prompts: list[str],
+                prompt_ids: list[list[int]], params: SamplingParams) -> None:
     """Every prompt through stage 06's engine, with one KV slot per request it may run at once."""
     import time
 

@@ -1,7 +1,8 @@
 """Throughput of continuous batching on a mixed workload: our engine vs static batching.
 
-One seeded workload (prompt lengths 16–512, output lengths 16–256, every request generating
-exactly its length), all requests arriving at t = 0, served in one process by:
+One seeded workload (by default 32 requests, prompt lengths 16–256, output lengths 16–128, every
+request generating exactly its length; ``--prompt-max 512 --output-max 256`` is the issue's
+mix, about twice as long), all requests arriving at t = 0, served in one process by:
 
 * our engine (stage 06's ``Engine``, 16 running requests, a 256-token step budget), fp32 and bf16;
 * stage 04's static batching: ``generate_cached`` on batches of 16 in arrival order, fp32;
@@ -25,7 +26,8 @@ on a shared 2-core machine, threads that spin while another process computes slo
 forward pass 5–7× (1.5 s instead of 0.22 s, measured with two other PyTorch jobs running).
 Every system runs under the same setting; set ``OMP_WAIT_POLICY=ACTIVE`` on a machine of your own.
 
-    .venv/bin/python benchmarks/throughput.py [--requests 32] [--subset 4] [--quick]
+    .venv/bin/python benchmarks/throughput.py [--requests 32] [--prompt-max 256] [--output-max 128]
+        [--subset 4] [--seed 0] [--quick]
 """
 
 from __future__ import annotations
@@ -49,8 +51,7 @@ from aie_lessons.model import LlamaModel  # noqa: E402
 from aie_lessons.sampling import SamplingParams  # noqa: E402
 from aie_lessons.tokenizer import Tokenizer  # noqa: E402
 
-PROMPT_LENS = (16, 512)
-OUTPUT_LENS = (16, 256)
+MIN_LEN = 16  # the shortest prompt and output
 BATCH = 16  # static batches, and the engine's max_seqs
 TOKEN_BUDGET = 256
 TARGETS = {  # from the course's continuous-batching issue; judged on the fp32 systems
@@ -243,7 +244,10 @@ def describe(workload: Workload) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--requests", type=int, default=32, help="requests in the workload")
+    parser.add_argument("--requests", type=int, default=32,
+                        help="requests in the workload: at least 2 × 16, or the engine has none to refill with")
+    parser.add_argument("--prompt-max", type=int, default=256, help="the longest prompt (tokens)")
+    parser.add_argument("--output-max", type=int, default=128, help="the longest output (tokens)")
     parser.add_argument("--subset", type=int, default=4,
                         help="the workload's first N requests, for the engine at max_seqs=1")
     parser.add_argument("--seed", type=int, default=0)
@@ -253,7 +257,7 @@ def main() -> None:
 
     warnings.filterwarnings("ignore")
     started, load_start = time.perf_counter(), os.getloadavg()[0]
-    prompt_lens, output_lens = PROMPT_LENS, OUTPUT_LENS
+    prompt_lens, output_lens = (MIN_LEN, args.prompt_max), (MIN_LEN, args.output_max)
     if args.quick:
         args.requests, args.subset, prompt_lens, output_lens = 8, 2, (16, 64), (8, 32)
     model_dir = default_model_dir()
@@ -265,7 +269,8 @@ def main() -> None:
     workload = mixed_workload(args.requests, args.seed, prompt_lens, output_lens, fp32.config.vocab_size)
     subset = workload[:args.subset]
     max_len = max(len(p) + params.max_new_tokens for p, params in workload)
-    print(f"workload (seed {args.seed}): {describe(workload)}; all arrive at t = 0", flush=True)
+    print(f"workload (seed {args.seed}, prompt lengths {prompt_lens[0]}–{prompt_lens[1]}, output lengths "
+          f"{output_lens[0]}–{output_lens[1]}): {describe(workload)}; all arrive at t = 0", flush=True)
     print(f"max_seqs=1 subset (the first {len(subset)}): {describe(subset)}", flush=True)
     print(f"torch threads: {torch.get_num_threads()}, OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']}, "
           f"load average (1 min) {load_start:.1f}", flush=True)

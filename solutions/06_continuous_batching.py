@@ -1207,11 +1207,11 @@ continuous = simulate(arrivals, SchedulerConfig(max_seqs=3, token_budget=32))
 print("\n".join(trace(continuous)))
 
 # %% [markdown]
-# The same arrivals with static batching (`static=True`, and a budget large enough to prefill a
-# whole group at once, as stage 04 did):
+# The same arrivals with static batching (`static=True`: a group is admitted only into an empty
+# batch, and prefilled whole, as stage 04 did):
 
 # %%
-static = simulate(arrivals, SchedulerConfig(max_seqs=3, token_budget=4096, static=True))
+static = simulate(arrivals, SchedulerConfig(max_seqs=3, token_budget=32, static=True))
 print("\n".join(trace(static)))
 
 # %%
@@ -1346,13 +1346,12 @@ def run_workload(engine: Engine, workload: list[tuple[list[int], SamplingParams]
 
 # %%
 # NBVAL_IGNORE_OUTPUT
-workload = mixed_workload(24, seed=0, prompt_lens=(8, 96), output_lens=(4, 48), vocab_size=model.config.vocab_size)
+workload = mixed_workload(16, seed=0, prompt_lens=(8, 64), output_lens=(4, 40), vocab_size=model.config.vocab_size)
 print(f"{len(workload)} requests, prompts {min(len(p) for p, _ in workload)}–{max(len(p) for p, _ in workload)} "
       f"tokens, outputs {min(s.max_new_tokens for _, s in workload)}–{max(s.max_new_tokens for _, s in workload)}")
 summaries = {}
 for name, static_batching in (("static", True), ("continuous", False)):
-    engine = Engine.from_model(model, tokenizer, max_seqs=8, token_budget=1024 if static_batching else 128,
-                               max_len=160, static=static_batching)
+    engine = Engine.from_model(model, tokenizer, max_seqs=8, token_budget=64, max_len=128, static=static_batching)
     summaries[name] = run_workload(engine, workload)
 print(f"{'':>11}" + "".join(f"{k:>15}" for k in summaries["static"].row()))
 for name, summary in summaries.items():
@@ -1385,10 +1384,10 @@ plt.show()
 
 # %%
 # NBVAL_IGNORE_OUTPUT
-budgets = (16, 32, 128, 512)
+budgets = (16, 64, 256)
 knob = {}
 for budget in budgets:
-    engine = Engine.from_model(model, tokenizer, max_seqs=8, token_budget=budget, max_len=160)
+    engine = Engine.from_model(model, tokenizer, max_seqs=8, token_budget=budget, max_len=128)
     knob[budget] = run_workload(engine, workload)
     print(f"budget {budget:>4}: TTFT p50 {percentile(knob[budget].ttft, 50):.2f} s, "
           f"TPOT p50 {1000 * percentile(knob[budget].tpot, 50):.0f} ms, {knob[budget].tokens_per_s:.0f} tok/s")
