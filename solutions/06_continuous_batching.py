@@ -22,8 +22,9 @@
 #
 # ```
 #  add_request ─► waiting ──admit (KV free, budget left)──► running ──EOS / stop / max──► finished
-#                    ▲                                         │
-#                    └──────────── abort ◄─────────────────────┘ (frees its KV at once)
+#                    │                                          │                           ▲
+#                    └─────────────── abort ────────────────────┴───────────────────────────┘
+#                                                                   (its KV is freed at once)
 #
 #  Engine.step():  schedule ─► prepare ─► run the model ─► sample ─► postprocess
 #                  (who, how    (ids,      (one packed      (one token  (append, stop,
@@ -94,9 +95,9 @@ tokenizer = Tokenizer.from_pretrained(MODEL_DIR)
 #   the token sampled last step (a *decode*).
 # * the next token's position is `num_computed`: positions are never read back from a cache.
 #
-# The clock is injected: seconds with the real model, simulated seconds in section 6. The time to
+# The clock is injected: seconds with the real model, simulated seconds in section 7. The time to
 # first token (TTFT) is `first_token − arrival`; the time per output token (TPOT) is the time
-# between the first token and the last, divided by the tokens in between.
+# between the first token and the last, divided by the n − 1 tokens after the first.
 
 # %%
 # export: engine.request
@@ -249,7 +250,7 @@ class Sampler:
 # **effective = priority + aging_rate × (now − arrival)**
 #
 # so a request that has waited `(p_high − p_low) / aging_rate` longer than a newcomer is ahead of
-# it. Section 7 turns this into a bound and measures it.
+# it. Section 8 turns this into a bound and measures it.
 #
 # ### Exercise 6.1 — the aging key
 #
@@ -378,13 +379,14 @@ class Schedule:
 # Complete `Scheduler.schedule()`. With `budget` tokens for this step:
 #
 # 1. every running request gets one chunk, **decodes first** (`remaining == 1`), then running
-#    requests still in their prefill; each chunk starts at the request's `num_computed` and is as
+#    requests still in their prefill — each group in the order of `self.running`; each chunk starts at the request's `num_computed` and is as
 #    long as its `remaining` tokens, or what is left of the budget — a chunk of zero tokens is no
 #    chunk at all;
 # 2. then, while `admitting` is true, there are waiting requests, budget is left, and fewer than
 #    `max_seqs` requests are running: take the waiting request with the **highest effective
 #    priority** (ties: the earlier `seq`). If the allocator cannot take it, stop admitting (no
-#    request may overtake a more urgent one just because it is smaller). Otherwise
+#    request may overtake a more urgent one just because it is smaller — and a loop that skips it
+#    would pick it again forever). Otherwise
 #    `self.admit(request, now)` it — that moves it to `running` and returns its KV handle — and
 #    give it a chunk of its prompt like any other running request.
 #
@@ -442,7 +444,7 @@ class Scheduler:
         chunks: list[ScheduledChunk] = []
         admitted: list[Request] = []
         admitting = not (self.config.static and self.running)  # static: only into an empty batch
-        # BEGIN EXERCISE 6.2: running requests first (decodes, then prefills), each a chunk from num_computed within the budget; then admit waiting requests by effective priority while admitting, budget, max_seqs and the allocator allow, each with a first chunk
+        # BEGIN EXERCISE 6.2: chunks for running requests (decodes first), then admit waiting ones by effective priority, each with a first chunk, within every limit
         # Hint 1: Work that is already running comes first, and a decode is the cheapest and most urgent of it; what budget is left goes to new requests, the most urgent first. Every chunk continues exactly where its request stopped, and a prompt too long for the leftover budget is simply cut: the rest comes next step.
         # Hint 2: Order the running requests with those having one remaining token first; for each, take the smaller of its remaining tokens and the budget, stop at zero, record a chunk at num_computed and subtract. Then loop while admitting: pick the waiting request with the largest effective priority (earliest seq on ties) with min() and a key; if the allocator refuses it, break; admit it, record it, give it a chunk the same way.
         ordered = sorted(self.running, key=lambda r: r.remaining > 1)  # stable: decodes, then prefills
@@ -483,22 +485,29 @@ checks.stage06.check_schedule(Scheduler, ScheduledChunk, SchedulerConfig)
 # with no padding:
 #
 # ```
-#  packed:  [ r3: 5 6 7 8 9 | r0: 41 | r1: 17 | r2: 230 ]      positions [5 6 7 8 9 | 41 | 17 | 230]
-#            prefill chunk    decode   decode   decode          slots     [2 2 2 2 2 | 0  | 1  | 3  ]
+#                 decode   decode   decode     prefill chunk of r3 (its tokens 5…9)
+#  packed ids:  [ r0: t41 | r1: t17 | r2: t230 | r3: t5 t6 t7 t8 t9 ]
+#  positions:   [ 41      | 17      | 230      | 5  6  7  8  9      ]
+#  slots:       [ 0       | 1       | 3        | 2  2  2  2  2      ]
 # ```
 #
 # Attention is the one place where rows must not mix. Each layer's attention stores the new keys
 # and values at `(slot, position)` of every token, then attends per request: the decode rows
 # together, as one batch over the slots (stage 03's idea: a mask that hides each row's columns
 # past its own end), and each prefill chunk on its own, causally, against its slot's history.
-# The model is stage 01's, unchanged: it hands the cache and the step's metadata to a backend
-# registered with `reads_cache=True`, which does the storing itself.
+# Decodes have one query each, so they batch over the slots with a per-row length mask; prefill
+# chunks differ in length and would need padding, so each runs alone. The model is stage 01's,
+# unchanged: it hands the cache and the step's metadata to a backend registered with
+# `reads_cache=True`, which does the storing itself. The step's metadata (a `StepBatch`) travels
+# through the model's `cache_start` argument, which the model passes on unread.
 #
 # ### Exercise 6.3 — a chunk's tokens and positions
 #
 # Complete `chunk_inputs(chunk)`: the token ids the chunk feeds to the model and their RoPE
-# positions, two lists of `chunk.length` ints. Remember that a decode's one token is the request's
-# last *output* token, and that a request's second prefill chunk does not start at position 0.
+# positions, two lists of `chunk.length` ints. Treat prompt + output as one sequence: a decode's one
+# token is the request's last *output* token, a request's second prefill chunk does not start at
+# position 0, and a chunk may even straddle the prompt's end (stage 07 recomputes preempted
+# requests that way). `request.token_ids(start, end)` gives any window of the sequence.
 
 # %%
 # export: engine.batch
@@ -527,8 +536,8 @@ checks.stage06.check_chunk_inputs(chunk_inputs, ScheduledChunk)
 
 # %% [markdown]
 # `prepare_batch` packs the chunks. It also precomputes, once per step, what every layer's
-# attention needs: which packed rows are one-token rows (decodes, attended together over the
-# slots) and where each longer chunk sits.
+# attention needs: which packed rows are one-token rows (decodes — or a one-token prefill chunk,
+# the same computation — attended together over the slots) and where each longer chunk sits.
 
 # %%
 # export: engine.batch
@@ -740,7 +749,7 @@ class ModelRunner:
 # %% [markdown]
 # ## 5. The engine
 #
-# `Engine.step()` is the whole data path in six lines: schedule, prepare, run, sample,
+# `Engine.step()` is the whole data path in five phases: schedule, prepare, run, sample,
 # postprocess. The postprocess is where requests end.
 #
 # ### Exercise 6.4 — the postprocess
@@ -752,9 +761,10 @@ class ModelRunner:
 #   values);
 # * if the chunk samples: append its token to the request's `output_ids`, stamp
 #   `metrics.first_token` if this is its first, and push the token to its `stream` (stage 01's
-#   `OutputStream`, which applies EOS, stop strings and `max_new_tokens`). When the stream says
-#   finished, end the request through the scheduler's `finish` (with the reason the stream
-#   gives, `request.result.finish_reason`) — which frees its KV — and collect it.
+#   `OutputStream`, which applies EOS, stop strings and `max_new_tokens`). `stream.push` returns
+#   True once the request is finished; then end the request through the scheduler's `finish`
+#   (with the reason the stream gives, `request.result.finish_reason`) — which frees its KV — and
+#   collect it.
 #
 # Return the requests finished this step.
 
@@ -791,7 +801,7 @@ class Runner(Protocol):
 def postprocess(schedule: Schedule, tokens: list[int], scheduler: Scheduler, now: float) -> list[Request]:
     """Advance every scheduled request; append sampled tokens; end (and free) the finished ones."""
     finished: list[Request] = []
-    # BEGIN EXERCISE 6.4: advance num_computed by each chunk; for sampling chunks append the next token, stamp the first token, push it to the stream and finish the request when the stream is done
+    # BEGIN EXERCISE 6.4: advance every request; give each sampling chunk its token (append, first-token time, stream) and finish requests whose stream is done
     # Hint 1: The tokens line up with the sampling chunks only, not with all chunks: a prefill chunk that stops short of its prompt's end produced no token. Every chunk did move its request forward, though, and a request that is done must give its KV back in the same step.
     # Hint 2: Keep an iterator over the tokens. For each chunk: add its length to num_computed; skip it unless it samples; take the next token, append it, set first_token when it was still None, and if stream.push(token) is True call scheduler.finish with the stream's finish reason and add the request to the list.
     sampled = iter(tokens)
@@ -1038,9 +1048,12 @@ assert all(got.token_ids == want.token_ids for got, want in zip(results, oracle)
 # What happened, step by step: which chunks ran (`id[start:end]`), who was admitted and who
 # finished. With `max_seqs=3` the fourth request waits for the first free slot; with a budget of 8
 # tokens the prompts go in as chunks, and the decodes of running requests always come first.
+# Shown: the first steps, then every step where a request was admitted or finished.
 
 # %%
-for stats in engine.stats[:8]:
+for stats in engine.stats:
+    if stats.step >= 4 and not (stats.admitted or stats.finished):
+        continue
     chunks = " ".join(f"{rid}[{start}:{start + length}]" for rid, start, length in stats.chunks)
     print(f"step {stats.step:>2}: {chunks:<44} admitted {stats.admitted or '-'} finished {stats.finished or '-'}")
 
@@ -1050,7 +1063,8 @@ for stats in engine.stats[:8]:
 # The scheduler's decisions are easier to see, and to test, without a model. The simulator keeps
 # the `Scheduler`, the `Engine` and its postprocess exactly as they are and replaces only the
 # runner: a `ScriptedRunner` emits each request's scripted tokens, and a cost model moves a
-# simulated clock — a step costs **a + b · prefill tokens + c · decode rows** seconds, the shape
+# simulated clock — a step costs **a + b · prefill tokens + c · decode rows** seconds
+# (`StepCost(fixed, per_prefill_token, per_decode_row)`), the shape
 # of a real step on a memory-bound machine (a fixed cost to read the weights, then a little per
 # token). Everything is deterministic, so the traces below are compared exactly by the grader.
 
@@ -1230,8 +1244,10 @@ for name, run in (("static", static), ("continuous", continuous)):
 # %% [markdown]
 # In the static timeline a request that finishes early leaves its row idle until its whole group
 # is done, and a newcomer waits for the group (long grey bars). Continuous batching refills a
-# freed slot at the next step.
-#
+# freed slot at the next step. (In its trace, r1 arrived at 0 ms too, but r0's 40-token prompt
+# took the whole budget of 32 tokens in step 0.)
+
+# %% [markdown]
 # ## 8. Aging: a bound on waiting
 #
 # Write the effective priority as `priority + a·(now − arrival) = a·now − a·(arrival −
@@ -1245,7 +1261,9 @@ for name, run in (("static", static), ("continuous", continuous)):
 # longest step, when the budget lets a prompt in whole in the step that admits it) and `max_seqs`
 # run at once, it is admitted by
 #
-# **t₀ + s · ⌈(q₀ + (p_hi − p_lo)/(a·g) + 1) / max_seqs⌉ + s.**
+# **t₀ + s · ⌈(q₀ + (p_hi − p_lo)/(a·g) + 1) / max_seqs⌉ + s**
+#
+# for a > 0 (the last `s`: the batch running when it arrived must drain first).
 #
 # Below, high-priority requests arrive faster than the engine serves them, so without aging the
 # queue only grows and the low-priority request is never admitted.
@@ -1283,7 +1301,9 @@ for rate in (0.0, 50.0, 200.0):
 #
 # A mixed-length workload — prompts and output lengths drawn at random, every request generating
 # exactly its length (`ignore_eos`) so that both engines do the same work — all submitted at
-# once. Static batching is the same engine with `static=True`: groups of `max_seqs` in arrival
+# once. That is the best case for static batching's *first* group, prefilled whole in one step;
+# continuous batching's advantage in time to first token shows with staggered arrivals (section
+# 7), its advantage in throughput here. Percentiles are nearest-rank: values that really occurred. Static batching is the same engine with `static=True`: groups of `max_seqs` in arrival
 # order, each group run until its longest member is done.
 
 # %%

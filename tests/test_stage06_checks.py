@@ -37,6 +37,10 @@ def divides_by_the_rate(request, now, aging_rate):
     return request.priority + (now - request.arrival) / aging_rate
 
 
+def drops_the_priority(request, now, aging_rate):
+    return aging_rate * (now - request.arrival)
+
+
 def reads_a_field_requests_lack(request, now, aging_rate):
     return request.priority + aging_rate * (now - request.arrival_time)
 
@@ -52,6 +56,7 @@ def test_effective_priority_check_passes_the_reference():
     (scales_the_priority, "is not multiplied"),
     (divides_by_the_rate, "you divided by aging_rate"),
     (reads_a_field_requests_lack, "raised AttributeError"),
+    (drops_the_priority, "dropped the request's own priority"),
 ])
 def test_effective_priority_check_names_the_mistake(wrong, message):
     with names_the_mistake("6.1", message):
@@ -68,6 +73,8 @@ def scheduler_with(name: str, **mistake):
         chunks, admitted = [], []
         admitting = not (self.config.static and self.running) or mistake.get("ignores_static")
         ordered = self.running if mistake.get("no_decode_first") else sorted(self.running, key=lambda r: r.remaining > 1)
+        if mistake.get("shortest_first"):
+            ordered = sorted(self.running, key=lambda r: r.remaining)
         for request in ordered:
             length = request.remaining if mistake.get("no_budget") else min(request.remaining, budget)
             if length == 0:
@@ -78,8 +85,14 @@ def scheduler_with(name: str, **mistake):
             if mistake.get("advances_progress"):
                 request.num_computed += length
         limit = 10**9 if mistake.get("ignores_max_seqs") else self.config.max_seqs
+        skipped = []
         while admitting and self.waiting and budget > 0 and len(self.running) < limit:
-            if mistake.get("fifo"):
+            candidates = [r for r in self.waiting if r not in skipped]
+            if not candidates:
+                break
+            if mistake.get("skips_refused"):
+                request = min(candidates, key=lambda r: (-effective_priority(r, now, self.config.aging_rate), r.seq))
+            elif mistake.get("fifo"):
                 request = min(self.waiting, key=lambda r: r.seq)
             elif mistake.get("least_urgent_first"):
                 request = max(self.waiting, key=lambda r: (-effective_priority(r, now, self.config.aging_rate), r.seq))
@@ -88,6 +101,9 @@ def scheduler_with(name: str, **mistake):
             else:
                 request = min(self.waiting, key=lambda r: (-effective_priority(r, now, self.config.aging_rate), r.seq))
             if not self.allocator.can_allocate(request):
+                if mistake.get("skips_refused"):
+                    skipped.append(request)
+                    continue
                 break
             if mistake.get("whole_prompts_only") and request.remaining > budget:
                 break
@@ -116,6 +132,8 @@ def test_schedule_check_passes_the_reference():
     (scheduler_with("IgnoresStatic", ignores_static=True), "static batch"),
     (scheduler_with("AdvancesProgress", advances_progress=True), "it only plans"),
     (scheduler_with("WallClock", wall_clock=True), "the scheduler's clock"),
+    (scheduler_with("SkipsRefused", skips_refused=True), "must not overtake it"),
+    (scheduler_with("ShortestFirst", shortest_first=True), "keeping its order in self.running"),
 ])
 def test_schedule_check_names_the_mistake(wrong, message):
     with names_the_mistake("6.2", message):
@@ -188,6 +206,37 @@ def postprocess_with(name: str, **mistake):
     return wrong
 
 
+def zips_chunks_with_tokens(schedule, tokens, scheduler, now):
+    finished = []
+    for chunk, token in zip(schedule.chunks, tokens):
+        request = chunk.request
+        request.num_computed += chunk.length
+        if chunk.samples:
+            request.output_ids.append(token)
+            if request.metrics.first_token is None:
+                request.metrics.first_token = now
+            if request.stream.push(token):
+                scheduler.finish(request, request.result.finish_reason, now)
+                finished.append(request)
+    return finished
+
+
+def indexes_tokens_by_chunk(schedule, tokens, scheduler, now):
+    finished = []
+    for i, chunk in enumerate(schedule.chunks):
+        request = chunk.request
+        request.num_computed += chunk.length
+        if chunk.samples:
+            token = tokens[i]
+            request.output_ids.append(token)
+            if request.metrics.first_token is None:
+                request.metrics.first_token = now
+            if request.stream.push(token):
+                scheduler.finish(request, request.result.finish_reason, now)
+                finished.append(request)
+    return finished
+
+
 def test_postprocess_check_passes_the_reference():
     checks.stage06.check_postprocess(postprocess, Scheduler, SchedulerConfig, ScheduledChunk, Schedule)
 
@@ -199,6 +248,8 @@ def test_postprocess_check_passes_the_reference():
     (postprocess_with("always_stamp", always_stamp=True), "first_token was overwritten"),
     (postprocess_with("never_free", never_free=True), "a slot never freed"),
     (postprocess_with("frees_only_the_kv", frees_only_the_kv=True), "still in scheduler.running"),
+    (zips_chunks_with_tokens, "zip\\(chunks, tokens\\) stops at the shorter list"),
+    (indexes_tokens_by_chunk, "one entry per \\*sampling\\* chunk"),
 ])
 def test_postprocess_check_names_the_mistake(wrong, message):
     with names_the_mistake("6.4", message):

@@ -55,18 +55,24 @@ class _Request:
 
 
 class _Allocator:
-    """``units`` slots; allocating past them, twice, or freeing what is not held is an error."""
+    """``units`` slots; allocating past them, twice, or freeing what is not held is an error.
 
-    def __init__(self, units: int):
+    With ``max_prompt``, it also refuses prompts longer than that, as stage 07's block allocator
+    refuses a request whose blocks do not fit while a smaller one would.
+    """
+
+    def __init__(self, units: int, max_prompt: int | None = None):
         self.units = units
+        self.max_prompt = max_prompt
         self.held: dict[str, int] = {}
         self.freed: list[str] = []
 
     def can_allocate(self, request) -> bool:
-        return len(self.held) < self.units
+        fits = self.max_prompt is None or len(request.prompt_ids) <= self.max_prompt
+        return fits and len(self.held) < self.units
 
     def allocate(self, request) -> int:
-        if len(self.held) >= self.units:
+        if not self.can_allocate(request):
             raise RuntimeError("allocate() was called although can_allocate() said no")
         if request.id in self.held:
             raise RuntimeError(f"{request.id} was allocated twice")
@@ -108,6 +114,8 @@ def check_effective_priority(effective_priority) -> None:
         if abs(got - want) <= 1e-9 * max(1.0, abs(want)):
             continue
         waited = now - arrival
+        if abs(got - rate * waited) < 1e-9 and priority:
+            fail(ex, "you dropped the request's own priority: aging adds to it")
         if abs(got - priority) < 1e-9:
             fail(ex, "the priority does not grow while the request waits: add aging_rate × (now − arrival)")
         if abs(got - (priority - rate * waited)) < 1e-9:
@@ -140,6 +148,7 @@ class _Case:
     now: float = 10.0
     aging_rate: float = 1.0
     static: bool = False
+    max_prompt: int | None = None  # the allocator refuses longer prompts
 
 
 def _request(rid: str, seq: int, prompt: int, computed: int = 0, outputs: int = 0, priority: float = 0.0,
@@ -180,6 +189,9 @@ def _cases() -> list[_Case]:
               [_request("w", 5, 4, arrival=9.0)], 8, 20, 8),
         _Case("static batching admits nothing while a batch runs",
               [decode("a", 0)], [_request("w", 5, 4, arrival=9.0)], 4, 64, 4, static=True),
+        _Case("the allocator refuses the most urgent: no one overtakes it", [decode("a", 0)],
+              [_request("big", 5, 40, priority=5.0, arrival=8.0), _request("small", 6, 3, arrival=9.0)],
+              8, 64, 8, max_prompt=10),
         _Case("static batching fills an empty batch",
               [], [_request("w1", 5, 4, arrival=8.0), _request("w2", 6, 4, arrival=9.0)], 4, 64, 4, static=True),
     ]
@@ -221,7 +233,7 @@ def _reference_schedule(case: _Case) -> tuple[list[tuple[str, int, int]], list[s
     admitting = not (case.static and case.running)
     while admitting and waiting and budget > 0 and held < case.max_seqs:
         r = min(waiting, key=lambda r: (-_reference_priority(r, case.now, case.aging_rate), r.seq))
-        if held >= case.units:
+        if held >= case.units or (case.max_prompt is not None and len(r.prompt_ids) > case.max_prompt):
             break
         waiting.remove(r)
         held += 1
@@ -238,11 +250,11 @@ def _fresh(case: _Case) -> _Case:
         c = _request(r.id, r.seq, len(r.prompt_ids), r.num_computed, len(r.output_ids), r.priority, r.arrival)
         return c
     return _Case(case.name, [copy(r) for r in case.running], [copy(r) for r in case.waiting], case.max_seqs,
-                 case.budget, case.units, case.now, case.aging_rate, case.static)
+                 case.budget, case.units, case.now, case.aging_rate, case.static, case.max_prompt)
 
 
 def _run_schedule(ex: str, Scheduler, SchedulerConfig, case: _Case):
-    allocator = _Allocator(case.units)
+    allocator = _Allocator(case.units, case.max_prompt)
     config = SchedulerConfig(max_seqs=case.max_seqs, token_budget=case.budget, aging_rate=case.aging_rate,
                              static=case.static)
     scheduler = Scheduler(config, allocator, lambda: case.now)
@@ -289,6 +301,10 @@ def _diagnose(ex: str, case: _Case, got: list[tuple[str, int, int]], admitted: l
                  f"{case.max_seqs} {where}: admit only while fewer than max_seqs run")
     if case.static and case.running and admitted:
         fail(ex, f"admitted {admitted} while a static batch was running {where}: admit only while `admitting`")
+    if [g[0] for g in got if g[0] in running_ids] != [g[0] for g in want if g[0] in running_ids]:
+        fail(ex, f"running requests were scheduled as {[g[0] for g in got if g[0] in running_ids]}, expected "
+                 f"{[g[0] for g in want if g[0] in running_ids]} {where}: decodes first, then prefills, each "
+                 "group keeping its order in self.running")
     new_chunks = [g for g in got if g[0] not in running_ids]
     if [g[0] for g in new_chunks] != admitted:
         fail(ex, f"the admitted requests {admitted} and the new requests' chunks {[g[0] for g in new_chunks]} "
@@ -304,6 +320,9 @@ def _diagnose(ex: str, case: _Case, got: list[tuple[str, int, int]], admitted: l
         if case.aging_rate and admitted == raw:
             fail(ex, f"admitted {admitted}, expected {want_admitted} {where}: you ordered by the fixed priority; "
                      "order by effective_priority(request, now, aging_rate), which lets waiting requests age")
+        if any(r.id in admitted and r.id not in want_admitted and case.max_prompt is not None for r in case.waiting):
+            fail(ex, f"admitted {admitted}, expected {want_admitted} {where}: when the allocator refuses the most "
+                     "urgent waiting request, stop admitting — a smaller request must not overtake it")
         fail(ex, f"admitted {admitted}, expected {want_admitted} {where}: take the waiting request with the "
                  "highest effective_priority(request, now, aging_rate) first, the earlier seq on ties")
     fail(ex, f"{where}: expected chunks (id, start, length) {want}, got {got}")
@@ -335,6 +354,9 @@ def check_schedule(Scheduler, ScheduledChunk, SchedulerConfig) -> None:
             if got != want or admitted != want_admitted:
                 _diagnose(ex, case, got, admitted, scheduler, want, want_admitted)
             for r in schedule.admitted:
+                if r.metrics.first_scheduled is None:
+                    fail(ex, f"{r.id} was admitted without self.admit(request, now): it moves the request, "
+                             "allocates its KV and stamps metrics.first_scheduled")
                 if r.metrics.first_scheduled != case.now:
                     fail(ex, f"{r.id} was admitted at {r.metrics.first_scheduled!r}, but the scheduler's clock "
                              f"said {case.now}: read the time once from self.clock() and admit with it")
@@ -387,6 +409,10 @@ class _Stream:
         self.pushed: list[int] = []
         self.result = SimpleNamespace(finish_reason=None)
 
+    @property
+    def finished(self) -> bool:
+        return self.result.finish_reason is not None
+
     def push(self, token: int) -> bool:
         if self.result.finish_reason is not None:
             raise RuntimeError("a token was pushed to a stream that had already finished")
@@ -421,7 +447,13 @@ def check_postprocess(postprocess, Scheduler, SchedulerConfig, ScheduledChunk, S
             tokens.append(token)
     schedule = Schedule(chunks, [])
     before = {rid: (r.num_computed, len(r.output_ids)) for rid, r in requests.items()}
-    finished = call(ex, postprocess, schedule, tokens, scheduler, 5.0)
+    finished = call(ex, postprocess, schedule, tokens, scheduler, 5.0,
+                    hint="tokens holds one entry per *sampling* chunk, not one per chunk: take them in "
+                         "order with an iterator")
+    if requests["whole_prompt"].num_computed == 0 and requests["decoding"].num_computed != 7:
+        fail(ex, "the last chunks were never reached: zip(chunks, tokens) stops at the shorter list, and "
+                 "tokens holds one entry per *sampling* chunk — walk every chunk, and take a token only "
+                 "for those that sample")
     for rid, prompt, outputs, computed, length, limit, token in plan:
         r = requests[rid]
         if r.num_computed == computed + 1 and length > 1:
