@@ -9,7 +9,7 @@ MODEL  := data/models/smollm2-135m-instruct/aie-source.json
 STAMP  := $(VENV)/.installed
 NBVAL  := --nbval --nbval-current-env --nbval-sanitize-with solutions/sanitize.cfg -p aie_lessons.course.nbval_plugin
 
-.PHONY: lab test test-fast notebooks bench model venv clean
+.PHONY: lab test test-fast notebooks bench bench-throughput model venv clean
 
 venv: $(STAMP)
 $(STAMP): pyproject.toml
@@ -44,6 +44,10 @@ notebooks: venv model
 ## bench: decode speed of our engine vs transformers vs the memory roofline (ratios, one run)
 bench: venv model
 	$(PY) benchmarks/decode.py
+
+## bench-throughput: continuous vs static batching vs transformers on a mixed workload (ratios, one run)
+bench-throughput: venv model
+	$(PY) benchmarks/throughput.py
 
 clean:
 	rm -rf $(VENV) data/cache .pytest_cache

@@ -1,8 +1,8 @@
 """Throughput of continuous batching on a mixed workload: our engine vs static batching.
 
 One seeded workload (by default 32 requests, prompt lengths 16–256, output lengths 16–128, every
-request generating exactly its length; ``--prompt-max 512 --output-max 256`` is the issue's
-mix, about twice as long), all requests arriving at t = 0, served in one process by:
+request generating exactly its length; ``--prompt-max 512 --output-max 256`` gives the issue's
+lengths, twice as long a run), all requests arriving at t = 0, served in one process by:
 
 * our engine (stage 06's ``Engine``, 16 running requests, a 256-token step budget), fp32 and bf16;
 * stage 04's static batching: ``generate_cached`` on batches of 16 in arrival order, fp32;

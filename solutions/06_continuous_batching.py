@@ -551,6 +551,7 @@ class StepBatch:
     sample_rows: torch.Tensor  # (K,) the packed index of each sampling chunk's last token
     single_rows: torch.Tensor  # (n,) packed indices of one-token chunks, attended together
     single_slots: torch.Tensor  # (n,) their slots
+    single_dense: bool  # rows 0 … n−1 of the packing hold slots 0 … n−1, in order
     single_mask: torch.Tensor | None  # (span, 1, 1, T): slot row s sees its columns < its end
     chunks: list[tuple[int, int, int, int, torch.Tensor]]  # longer chunks: (offset, length, slot, end, mask)
     attention: str  # the attention backend that does the arithmetic (stage 02's or PyTorch's)
@@ -558,10 +559,13 @@ class StepBatch:
 
 def prepare_batch(schedule: Schedule, attention: str, device: torch.device | str) -> StepBatch:
     """Pack a schedule's chunks into one sequence (slot-cache handles: ``chunk.kv`` is a slot)."""
-    ids, positions, slots, sample_rows, chunks = [], [], [], [], []
+    ids, positions, slots, chunks, offsets = [], [], [], [], {}
     single_rows, single_slots, single_ends = [], [], []
-    for chunk in schedule.chunks:
-        offset = len(ids)
+    # One-token rows first, in slot order: when their slots are 0 … n−1 (the usual case, as freed
+    # slots are reused lowest first), attention reads them as views, without scattering rows.
+    singles = sorted((c for c in schedule.chunks if c.length == 1), key=lambda c: c.kv)
+    for chunk in singles + [c for c in schedule.chunks if c.length > 1]:
+        offset = offsets[id(chunk)] = len(ids)
         chunk_ids, chunk_positions = chunk_inputs(chunk)
         ids += chunk_ids
         positions += chunk_positions
@@ -573,8 +577,8 @@ def prepare_batch(schedule: Schedule, attention: str, device: torch.device | str
             single_ends.append(end)
         else:
             chunks.append((offset, chunk.length, chunk.kv, end, causal_mask(chunk.length, end, device)[None, None]))
-        if chunk.samples:
-            sample_rows.append(offset + chunk.length - 1)
+    # Logits come back in the schedule's order of sampling chunks, whatever the packing order.
+    sample_rows = [offsets[id(c)] + c.length - 1 for c in schedule.chunks if c.samples]
     single_mask = None
     if single_rows:
         span = max(single_slots) + 1  # slots are handed out lowest first, so the span stays small
@@ -585,8 +589,9 @@ def prepare_batch(schedule: Schedule, attention: str, device: torch.device | str
     def tensor(values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=device)
 
+    dense = single_slots == list(range(len(single_slots)))
     return StepBatch(tensor(ids)[None], tensor(positions)[None], tensor(slots), tensor(sample_rows),
-                     tensor(single_rows), tensor(single_slots), single_mask, chunks, attention)
+                     tensor(single_rows), tensor(single_slots), dense, single_mask, chunks, attention)
 
 
 # %% [markdown]
@@ -627,11 +632,17 @@ def slot_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torc
     out = torch.empty_like(q)
     if batch.single_mask is not None:  # every one-token row at once, one slot row each
         span, width = batch.single_mask.shape[0], batch.single_mask.shape[-1]
-        q_rows = q.new_zeros(span, q.shape[1], 1, q.shape[3])
-        q_rows[batch.single_slots] = q[0, :, batch.single_rows].transpose(0, 1)[:, :, None]
+        if batch.single_dense:  # packed row i is slot i: views both ways
+            q_rows = q[0, :, :span].transpose(0, 1)[:, :, None]  # (span, Hq, 1, D)
+        else:  # scatter each row to its slot; rows of idle slots are zeros (and see one column)
+            q_rows = q.new_zeros(span, q.shape[1], 1, q.shape[3])
+            q_rows[batch.single_slots] = q[0, :, batch.single_rows].transpose(0, 1)[:, :, None]
         rows = attend(q_rows, keys[:span, :, :width].to(q.dtype), values[:span, :, :width].to(q.dtype),
                       mask=batch.single_mask)
-        out[0, :, batch.single_rows] = rows[batch.single_slots, :, 0].transpose(0, 1)
+        if batch.single_dense:
+            out[0, :, :span] = rows[:, :, 0].transpose(0, 1)
+        else:
+            out[0, :, batch.single_rows] = rows[batch.single_slots, :, 0].transpose(0, 1)
     for offset, length, slot, end, chunk_mask in batch.chunks:  # the last `length` of `end` positions
         rows = slice(offset, offset + length)
         out[:, :, rows] = attend(q[:, :, rows], keys[slot:slot + 1, :, :end].to(q.dtype),

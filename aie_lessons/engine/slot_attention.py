@@ -38,11 +38,17 @@ def slot_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torc
     out = torch.empty_like(q)
     if batch.single_mask is not None:  # every one-token row at once, one slot row each
         span, width = batch.single_mask.shape[0], batch.single_mask.shape[-1]
-        q_rows = q.new_zeros(span, q.shape[1], 1, q.shape[3])
-        q_rows[batch.single_slots] = q[0, :, batch.single_rows].transpose(0, 1)[:, :, None]
+        if batch.single_dense:  # packed row i is slot i: views both ways
+            q_rows = q[0, :, :span].transpose(0, 1)[:, :, None]  # (span, Hq, 1, D)
+        else:  # scatter each row to its slot; rows of idle slots are zeros (and see one column)
+            q_rows = q.new_zeros(span, q.shape[1], 1, q.shape[3])
+            q_rows[batch.single_slots] = q[0, :, batch.single_rows].transpose(0, 1)[:, :, None]
         rows = attend(q_rows, keys[:span, :, :width].to(q.dtype), values[:span, :, :width].to(q.dtype),
                       mask=batch.single_mask)
-        out[0, :, batch.single_rows] = rows[batch.single_slots, :, 0].transpose(0, 1)
+        if batch.single_dense:
+            out[0, :, :span] = rows[:, :, 0].transpose(0, 1)
+        else:
+            out[0, :, batch.single_rows] = rows[batch.single_slots, :, 0].transpose(0, 1)
     for offset, length, slot, end, chunk_mask in batch.chunks:  # the last `length` of `end` positions
         rows = slice(offset, offset + length)
         out[:, :, rows] = attend(q[:, :, rows], keys[slot:slot + 1, :, :end].to(q.dtype),
