@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from typing import TYPE_CHECKING
 
@@ -41,6 +41,9 @@ class RunSummary:
     ttft: list[float]
     latency: list[float]
     tpot: list[float]
+    # Inter-token latency as each decoding request felt it: a step's duration, once per decode row
+    # in it. Unlike the TPOT (a request's average), its tail shows the steps a big prefill slowed.
+    itl: list[float] = field(default_factory=list)
 
     @property
     def tokens_per_s(self) -> float:
@@ -52,12 +55,21 @@ class RunSummary:
                 "latency p99 s": percentile(self.latency, 99), "TPOT p50 ms": 1000 * percentile(self.tpot, 50)}
 
 
-def run_workload(engine: Engine, workload: list[tuple[list[int], SamplingParams]]) -> RunSummary:
-    """Submit every request at once, step until all are done, and summarize (engine clock: seconds)."""
-    start = time.perf_counter()
-    requests = [engine.add_request(prompt, params) for prompt, params in workload]
-    while engine.has_work():
-        engine.step()
+def run_workload(engine: Engine, workload: list[tuple[list[int], SamplingParams]], gap: float = 0.0) -> RunSummary:
+    """Run a workload as a server would see it — request i arrives ``i × gap`` seconds after the
+    start (all at once by default) — and summarize. The engine's clock must be wall-clock seconds."""
+    start, first_step = time.perf_counter(), len(engine.stats)
+    pending, requests = list(workload), []
+    while pending or engine.has_work():
+        elapsed = time.perf_counter() - start
+        while pending and len(requests) * gap <= elapsed:
+            prompt, params = pending.pop(0)
+            requests.append(engine.add_request(prompt, params))
+        if engine.has_work():
+            engine.step()
+        elif pending:  # idle until the next arrival
+            time.sleep(len(requests) * gap - elapsed)
     seconds = time.perf_counter() - start
+    itl = [s.end - s.start for s in engine.stats[first_step:] for _ in range(s.decode_rows)]
     return RunSummary(seconds, sum(len(r.output_ids) for r in requests), [r.ttft for r in requests],
-                      [r.latency for r in requests], [r.tpot for r in requests if r.tpot is not None])
+                      [r.latency for r in requests], [r.tpot for r in requests if r.tpot is not None], itl)
