@@ -797,18 +797,6 @@ from typing import Any, Protocol
 import torch
 
 
-class Runner(Protocol):
-    """The engine's view of a runner: the real model (``ModelRunner``) or a script (the simulator)."""
-
-    config: Any  # the model's config: vocab_size, max_position_embeddings
-    device: torch.device | str
-    allocator: KVAllocator
-
-    def prepare(self, schedule: Schedule) -> Any: ...  # the step's inputs, built from the schedule
-
-    def run(self, batch: Any) -> torch.Tensor: ...  # logits (K, vocab), fp32: one row per sampling chunk
-
-
 def postprocess(schedule: Schedule, tokens: list[int], scheduler: Scheduler, now: float) -> list[Request]:
     """Advance every scheduled request; append sampled tokens; end (and free) the finished ones."""
     finished: list[Request] = []
@@ -844,6 +832,18 @@ checks.stage06.check_postprocess(postprocess, Scheduler, SchedulerConfig, Schedu
 
 # %%
 # export: engine.engine
+class Runner(Protocol):
+    """The engine's view of a runner: the real model (``ModelRunner``) or a script (the simulator)."""
+
+    config: Any  # the model's config: vocab_size, max_position_embeddings
+    device: torch.device | str
+    allocator: KVAllocator
+
+    def prepare(self, schedule: Schedule) -> Any: ...  # the step's inputs, built from the schedule
+
+    def run(self, batch: Any) -> torch.Tensor: ...  # logits (K, vocab), fp32: one row per sampling chunk
+
+
 class UnknownRequestError(KeyError):
     """``abort`` was given an id the engine never saw."""
 

@@ -30,18 +30,6 @@ if TYPE_CHECKING:
     from aie_lessons.tokenizer import Tokenizer
 
 
-class Runner(Protocol):
-    """The engine's view of a runner: the real model (``ModelRunner``) or a script (the simulator)."""
-
-    config: Any  # the model's config: vocab_size, max_position_embeddings
-    device: torch.device | str
-    allocator: KVAllocator
-
-    def prepare(self, schedule: Schedule) -> Any: ...  # the step's inputs, built from the schedule
-
-    def run(self, batch: Any) -> torch.Tensor: ...  # logits (K, vocab), fp32: one row per sampling chunk
-
-
 def postprocess(schedule: Schedule, tokens: list[int], scheduler: Scheduler, now: float) -> list[Request]:
     """Advance every scheduled request; append sampled tokens; end (and free) the finished ones."""
     finished: list[Request] = []
@@ -59,6 +47,18 @@ def postprocess(schedule: Schedule, tokens: list[int], scheduler: Scheduler, now
             scheduler.finish(request, request.result.finish_reason, now)
             finished.append(request)
     return finished
+
+
+class Runner(Protocol):
+    """The engine's view of a runner: the real model (``ModelRunner``) or a script (the simulator)."""
+
+    config: Any  # the model's config: vocab_size, max_position_embeddings
+    device: torch.device | str
+    allocator: KVAllocator
+
+    def prepare(self, schedule: Schedule) -> Any: ...  # the step's inputs, built from the schedule
+
+    def run(self, batch: Any) -> torch.Tensor: ...  # logits (K, vocab), fp32: one row per sampling chunk
 
 
 class UnknownRequestError(KeyError):
