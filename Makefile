@@ -24,14 +24,17 @@ $(MODEL): | $(STAMP)
 ## lab: set up everything, then serve the learner notebooks in JupyterLab
 # (as root, e.g. in a container, Jupyter refuses to start without --allow-root)
 lab: venv model
+	@echo "JupyterLab starts below: open the http://127.0.0.1:…/lab?token=… URL it prints (the browser may open it for you). Stop the server with Ctrl-C, twice."
 	$(VENV)/bin/jupyter lab --ServerApp.root_dir=notebooks $(if $(filter 0,$(shell id -u)),--allow-root)
 
 ## test: every test — unit, oracle (vs transformers), derived files in sync, nbval of the
 ## solution notebooks; then the grader on the solutions, which runs every notebook a second time
 ## against its reference outputs (proving them deterministic) and must give 100%
 test: venv model
-	$(PY) -m pytest tests solutions/*.ipynb $(NBVAL)
-	$(AIE) grade solutions
+	@t0=$$(date +%s); \
+	$(PY) -m pytest tests solutions/*.ipynb $(NBVAL) && t1=$$(date +%s) && \
+	$(AIE) grade solutions && t2=$$(date +%s) && \
+	echo "make test: pytest and nbval $$((t1 - t0)) s, grading (every notebook again) $$((t2 - t1)) s, total $$((t2 - t0)) s"
 
 ## test-fast: unit tests on the tiny random models: no model download, no network, under a minute
 test-fast: venv
