@@ -36,7 +36,8 @@ def test_make_test_grades_the_solution_notebooks():
     from aie_lessons.infra.paths import REPO_ROOT
 
     makefile = (REPO_ROOT / "Makefile").read_text()
-    assert "\t$(AIE) grade solutions\n" in makefile.split("\ntest:", 1)[1].split("\n\n", 1)[0] + "\n"
+    recipe = makefile.split("\ntest:", 1)[1].split("\n\n", 1)[0]
+    assert "$(AIE) grade solutions &&" in recipe  # after pytest, and its failure fails make test
 
 
 def test_untouched_learner_notebook_grades_zero_with_not_implemented(tmp_path):
