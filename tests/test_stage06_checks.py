@@ -180,7 +180,9 @@ def postprocess_with(name: str, **mistake):
     def wrong(schedule, tokens, scheduler, now):
         finished = []
         sampled = iter(tokens)
-        for chunk in schedule.chunks:
+        # zip(chunks, tokens) pairs chunk i with token i, and stops at the shorter list
+        chunks = schedule.chunks[:len(tokens)] if mistake.get("zips_chunks_with_tokens") else schedule.chunks
+        for i, chunk in enumerate(chunks):
             request = chunk.request
             if not (mistake.get("sampling_only_advance") and not chunk.samples):
                 request.num_computed += 1 if mistake.get("advance_by_one") else chunk.length
@@ -188,7 +190,9 @@ def postprocess_with(name: str, **mistake):
                 token = next(sampled, 0)
             if not chunk.samples:
                 continue
-            if not mistake.get("token_per_chunk"):
+            if mistake.get("zips_chunks_with_tokens") or mistake.get("indexes_tokens_by_chunk"):
+                token = tokens[i]
+            elif not mistake.get("token_per_chunk"):
                 token = next(sampled)
             request.output_ids.append(token)
             if mistake.get("always_stamp") or request.metrics.first_token is None:
@@ -206,37 +210,6 @@ def postprocess_with(name: str, **mistake):
     return wrong
 
 
-def zips_chunks_with_tokens(schedule, tokens, scheduler, now):
-    finished = []
-    for chunk, token in zip(schedule.chunks, tokens):
-        request = chunk.request
-        request.num_computed += chunk.length
-        if chunk.samples:
-            request.output_ids.append(token)
-            if request.metrics.first_token is None:
-                request.metrics.first_token = now
-            if request.stream.push(token):
-                scheduler.finish(request, request.result.finish_reason, now)
-                finished.append(request)
-    return finished
-
-
-def indexes_tokens_by_chunk(schedule, tokens, scheduler, now):
-    finished = []
-    for i, chunk in enumerate(schedule.chunks):
-        request = chunk.request
-        request.num_computed += chunk.length
-        if chunk.samples:
-            token = tokens[i]
-            request.output_ids.append(token)
-            if request.metrics.first_token is None:
-                request.metrics.first_token = now
-            if request.stream.push(token):
-                scheduler.finish(request, request.result.finish_reason, now)
-                finished.append(request)
-    return finished
-
-
 def test_postprocess_check_passes_the_reference():
     checks.stage06.check_postprocess(postprocess, Scheduler, SchedulerConfig, ScheduledChunk, Schedule)
 
@@ -248,8 +221,8 @@ def test_postprocess_check_passes_the_reference():
     (postprocess_with("always_stamp", always_stamp=True), "first_token was overwritten"),
     (postprocess_with("never_free", never_free=True), "a slot never freed"),
     (postprocess_with("frees_only_the_kv", frees_only_the_kv=True), "still in scheduler.running"),
-    (zips_chunks_with_tokens, "zip\\(chunks, tokens\\) stops at the shorter list"),
-    (indexes_tokens_by_chunk, "one entry per \\*sampling\\* chunk"),
+    (postprocess_with("zips_chunks_with_tokens", zips_chunks_with_tokens=True), "zip\\(chunks, tokens\\) stops at the shorter list"),
+    (postprocess_with("indexes_tokens_by_chunk", indexes_tokens_by_chunk=True), "one entry per \\*sampling\\* chunk"),
 ])
 def test_postprocess_check_names_the_mistake(wrong, message):
     with names_the_mistake("6.4", message):
