@@ -15,7 +15,7 @@
 #
 # Stage 04 batched sequences the simple way: pad a group of prompts, run them together until the
 # *last* one is done, then start the next group. That is **static batching**. Its cost shows as
-# soon as lengths differ: a request that wants 8 tokens waits for its neighbour that wants 200,
+# soon as lengths differ: a request that wants a few tokens waits for a neighbour that wants hundreds,
 # its row of the batch idles, and a request that arrives a moment later waits for the whole group.
 #
 # A serving engine instead decides **every step** which requests take part:
@@ -705,9 +705,9 @@ class SlotAllocator:
 
 # %% [markdown]
 # The runner owns the model and the cache. It asks the model for the logits of the sampled rows
-# only: a forward pre-hook hands the final norm just those rows, so the output head (576 × 49152
-# multiply-adds per row) never runs for the other tokens of a prefill chunk — and the model's
-# `forward` stays yours from stage 01.
+# only: a forward pre-hook hands the final norm just those rows, so the output head (hidden size ×
+# vocabulary multiply-adds per row, the model's largest matrix) never runs for the other tokens
+# of a prefill chunk — and the model's `forward` stays yours from stage 01.
 
 # %%
 # export: engine.runner
@@ -1314,8 +1314,9 @@ for rate in (0.0, 50.0, 200.0):
 # exactly its length (`ignore_eos`) so that both engines do the same work — all submitted at
 # once. That is the best case for static batching's *first* group, prefilled whole in one step;
 # continuous batching's advantage in time to first token shows with staggered arrivals (section
-# 7), its advantage in throughput here. Percentiles are nearest-rank: values that really occurred. Static batching is the same engine with `static=True`: groups of `max_seqs` in arrival
-# order, each group run until its longest member is done.
+# 7), its advantage in throughput here. Static batching is the same engine with `static=True`:
+# groups of `max_seqs` in arrival order, each group run until its longest member is done.
+# Percentiles are nearest-rank: values that really occurred.
 
 # %%
 # export: engine.workload
