@@ -354,6 +354,7 @@ class ScheduledChunk:
 class Schedule:
     chunks: list[ScheduledChunk]
     admitted: list[Request]
+    preempted: list[Request] = field(default_factory=list)  # stage 07: KV taken back this step
 
     @property
     def num_tokens(self) -> int:
@@ -365,8 +366,9 @@ class Schedule:
 
     @property
     def decode_rows(self) -> int:
-        """Chunks that run an output token (one each): the decodes. Everything else is prefill."""
-        return sum(1 for c in self.chunks if c.start >= len(c.request.prompt_ids))
+        """One-token chunks past the prompt: the decodes. Everything else is prefill (stage 07's
+        recompute of a preempted request's output included)."""
+        return sum(1 for c in self.chunks if c.start >= len(c.request.prompt_ids) and c.length == 1)
 
     @property
     def prefill_tokens(self) -> int:
@@ -417,6 +419,11 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def may_admit(self) -> bool:
+        """Whether waiting requests may start this step. Static batching admits only into an empty
+        batch; stage 07 also holds admission while a preempted request waits to resume."""
+        return not (self.config.static and self.running)
+
     def admit(self, request: Request, now: float) -> object:
         """Move a waiting request to running; return the KV handle the allocator gave it."""
         kv = self.allocator.allocate(request)
@@ -443,7 +450,7 @@ class Scheduler:
         budget = sys.maxsize if self.config.static else self.config.token_budget  # static: whole prompts
         chunks: list[ScheduledChunk] = []
         admitted: list[Request] = []
-        admitting = not (self.config.static and self.running)  # static: only into an empty batch
+        admitting = self.may_admit()
         # BEGIN EXERCISE 6.2: chunks for running requests (decodes first), then admit waiting ones by effective priority, each with a first chunk, within every limit
         # Hint 1: Work that is already running comes first, and a decode is the cheapest and most urgent of it; what budget is left goes to new requests, the most urgent first. Every chunk continues exactly where its request stopped, and a prompt too long for the leftover budget is simply cut: the rest comes next step.
         # Hint 2: Order the running requests with those having one remaining token first; for each, take the smaller of its remaining tokens and the budget, stop at zero, record a chunk at num_computed and subtract. Then loop while admitting: pick the waiting request with the largest effective priority (earliest seq on ties) with min() and a key; if the allocator refuses it, break; admit it, record it, give it a chunk the same way.
@@ -718,14 +725,22 @@ from __future__ import annotations
 import torch
 
 
+def check_step_attention(attention: str) -> None:
+    """The backend that does a step's arithmetic must take q, k, v: the cache-reading backend that
+    wraps it (slots here, blocks in stage 07) is the runner's own choice."""
+    if attention not in ATTENTION_BACKENDS or attention in CACHE_READING_BACKENDS:
+        raise ValueError(f"attention={attention!r}: pick a backend that computes attention from q, k, v "
+                         f"(e.g. 'sdpa', or stage 02's 'manual'); registered: {sorted(ATTENTION_BACKENDS)}")
+
+
 class ModelRunner:
     """The model, its slot cache and allocator; ``prepare`` then ``run`` make one step's logits."""
 
+    step_backend = SLOTS  # the cache-reading backend the model runs with during a step
+
     def __init__(self, model: LlamaModel, max_seqs: int, max_len: int, attention: str = "sdpa",
                  kv_dtype: torch.dtype | None = None):
-        if attention not in ATTENTION_BACKENDS or attention in CACHE_READING_BACKENDS:
-            raise ValueError(f"attention={attention!r}: pick a backend that computes attention from q, k, v "
-                             f"(e.g. 'sdpa', or stage 02's 'manual'); registered: {sorted(ATTENTION_BACKENDS)}")
+        check_step_attention(attention)
         context = model.config.max_position_embeddings
         if max_len > context:
             raise ValueError(f"max_len={max_len} is past the model's context ({context}). Fix: max_len ≤ {context}")
@@ -746,7 +761,7 @@ class ModelRunner:
         model = self.model
         backend = model.layers[0].self_attn.backend
         keep_sampled = model.norm.register_forward_pre_hook(lambda _, args: (args[0][:, batch.sample_rows],))
-        model.set_attention_backend(SLOTS)
+        model.set_attention_backend(self.step_backend)
         try:
             logits = model(batch.input_ids, batch.positions, None, self.cache, cache_start=batch)
         finally:
@@ -867,6 +882,7 @@ class StepStats:
     waiting: int
     kv_used: int
     admitted: list[str] = field(default_factory=list)
+    preempted: list[str] = field(default_factory=list)
     chunks: list[tuple[str, int, int]] = field(default_factory=list)  # (id, start, length)
     finished: list[str] = field(default_factory=list)
 
@@ -885,13 +901,14 @@ class Engine:
 
     def __init__(self, runner: Runner, tokenizer: Tokenizer, stop_ids: set[int],
                  config: SchedulerConfig = SchedulerConfig(),
-                 clock: Callable[[], float] = time.perf_counter):
+                 clock: Callable[[], float] = time.perf_counter,
+                 scheduler_class: type[Scheduler] = Scheduler):
         self.runner = runner
         self.tokenizer = tokenizer
         self.stop_ids = stop_ids
         self.config = config
         self.clock = clock
-        self.scheduler = Scheduler(config, runner.allocator, clock)
+        self.scheduler = scheduler_class(config, runner.allocator, clock)
         self.sampler = Sampler(runner.device)
         self.requests: dict[str, Request] = {}
         self.stats: list[StepStats] = []
@@ -1019,6 +1036,7 @@ class Engine:
             len(self.stats), start, self.clock(), t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4,
             schedule.prefill_tokens, schedule.decode_rows, len(self.scheduler.running),
             len(self.scheduler.waiting), self.runner.allocator.used, [r.id for r in schedule.admitted],
+            [r.id for r in schedule.preempted],
             [(c.request.id, c.start, c.length) for c in schedule.chunks], [r.id for r in finished]))
         return finished
 
@@ -1162,17 +1180,23 @@ class Arrival:
     prompt_len: int
     output_len: int
     priority: float = 0.0
+    prompt: tuple[int, ...] | None = None  # the prompt's tokens; by default prompt_len ones
 
 
 def simulate(arrivals: list[Arrival], config: SchedulerConfig, cost: StepCost = StepCost(),
-             max_len: int = 4096, aborts: dict[int, list[str]] | None = None) -> Engine:
+             max_len: int = 4096, aborts: dict[int, list[str]] | None = None,
+             allocator: KVAllocator | None = None, scheduler_class: type[Scheduler] = Scheduler,
+             after_step: Callable[[Engine], None] | None = None) -> Engine:
     """Run scripted arrivals through a real ``Engine``; request i is ``f"r{i}"``.
 
     Arrivals are noticed between steps (as a server notices them); ``aborts`` maps a step number
-    to the ids to abort before it.
+    to the ids to abort before it. ``allocator`` replaces the slots (stage 07's blocks, with their
+    ``scheduler_class``); ``after_step(engine)`` runs after every step, e.g. to check invariants.
     """
     clock = SimClock()
-    engine = Engine(ScriptedRunner(clock, cost, config.max_seqs, max_len), ScriptTokenizer(), {0}, config, clock)
+    runner = ScriptedRunner(clock, cost, config.max_seqs, max_len)
+    runner.allocator = allocator or runner.allocator
+    engine = Engine(runner, ScriptTokenizer(), {0}, config, clock, scheduler_class)
     order = sorted(range(len(arrivals)), key=lambda i: arrivals[i].time)
     aborts = aborts or {}
     step = 0
@@ -1180,13 +1204,15 @@ def simulate(arrivals: list[Arrival], config: SchedulerConfig, cost: StepCost = 
         while order and arrivals[order[0]].time <= clock.now:
             i = order.pop(0)
             a = arrivals[i]
-            engine.add_request([1] * a.prompt_len, SamplingParams(max_new_tokens=a.output_len, ignore_eos=True),
+            engine.add_request(list(a.prompt or [1] * a.prompt_len), SamplingParams(max_new_tokens=a.output_len, ignore_eos=True),
                                priority=a.priority, request_id=f"r{i}")
         for request_id in aborts.get(step, []):
             engine.abort(request_id)
         if engine.has_work():
             engine.step()
             step += 1
+            if after_step:
+                after_step(engine)
         elif order:  # idle until the next arrival
             clock.now = arrivals[order[0]].time
     return engine

@@ -84,6 +84,7 @@ class StepStats:
     waiting: int
     kv_used: int
     admitted: list[str] = field(default_factory=list)
+    preempted: list[str] = field(default_factory=list)
     chunks: list[tuple[str, int, int]] = field(default_factory=list)  # (id, start, length)
     finished: list[str] = field(default_factory=list)
 
@@ -102,13 +103,14 @@ class Engine:
 
     def __init__(self, runner: Runner, tokenizer: Tokenizer, stop_ids: set[int],
                  config: SchedulerConfig = SchedulerConfig(),
-                 clock: Callable[[], float] = time.perf_counter):
+                 clock: Callable[[], float] = time.perf_counter,
+                 scheduler_class: type[Scheduler] = Scheduler):
         self.runner = runner
         self.tokenizer = tokenizer
         self.stop_ids = stop_ids
         self.config = config
         self.clock = clock
-        self.scheduler = Scheduler(config, runner.allocator, clock)
+        self.scheduler = scheduler_class(config, runner.allocator, clock)
         self.sampler = Sampler(runner.device)
         self.requests: dict[str, Request] = {}
         self.stats: list[StepStats] = []
@@ -236,6 +238,7 @@ class Engine:
             len(self.stats), start, self.clock(), t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4,
             schedule.prefill_tokens, schedule.decode_rows, len(self.scheduler.running),
             len(self.scheduler.waiting), self.runner.allocator.used, [r.id for r in schedule.admitted],
+            [r.id for r in schedule.preempted],
             [(c.request.id, c.start, c.length) for c in schedule.chunks], [r.id for r in finished]))
         return finished
 

@@ -18,14 +18,22 @@ if TYPE_CHECKING:
     from aie_lessons.engine.scheduler import Schedule
 
 
+def check_step_attention(attention: str) -> None:
+    """The backend that does a step's arithmetic must take q, k, v: the cache-reading backend that
+    wraps it (slots here, blocks in stage 07) is the runner's own choice."""
+    if attention not in ATTENTION_BACKENDS or attention in CACHE_READING_BACKENDS:
+        raise ValueError(f"attention={attention!r}: pick a backend that computes attention from q, k, v "
+                         f"(e.g. 'sdpa', or stage 02's 'manual'); registered: {sorted(ATTENTION_BACKENDS)}")
+
+
 class ModelRunner:
     """The model, its slot cache and allocator; ``prepare`` then ``run`` make one step's logits."""
 
+    step_backend = SLOTS  # the cache-reading backend the model runs with during a step
+
     def __init__(self, model: LlamaModel, max_seqs: int, max_len: int, attention: str = "sdpa",
                  kv_dtype: torch.dtype | None = None):
-        if attention not in ATTENTION_BACKENDS or attention in CACHE_READING_BACKENDS:
-            raise ValueError(f"attention={attention!r}: pick a backend that computes attention from q, k, v "
-                             f"(e.g. 'sdpa', or stage 02's 'manual'); registered: {sorted(ATTENTION_BACKENDS)}")
+        check_step_attention(attention)
         context = model.config.max_position_embeddings
         if max_len > context:
             raise ValueError(f"max_len={max_len} is past the model's context ({context}). Fix: max_len ≤ {context}")
@@ -46,7 +54,7 @@ class ModelRunner:
         model = self.model
         backend = model.layers[0].self_attn.backend
         keep_sampled = model.norm.register_forward_pre_hook(lambda _, args: (args[0][:, batch.sample_rows],))
-        model.set_attention_backend(SLOTS)
+        model.set_attention_backend(self.step_backend)
         try:
             logits = model(batch.input_ids, batch.positions, None, self.cache, cache_start=batch)
         finally:

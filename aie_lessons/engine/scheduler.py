@@ -80,6 +80,7 @@ class ScheduledChunk:
 class Schedule:
     chunks: list[ScheduledChunk]
     admitted: list[Request]
+    preempted: list[Request] = field(default_factory=list)  # stage 07: KV taken back this step
 
     @property
     def num_tokens(self) -> int:
@@ -91,8 +92,9 @@ class Schedule:
 
     @property
     def decode_rows(self) -> int:
-        """Chunks that run an output token (one each): the decodes. Everything else is prefill."""
-        return sum(1 for c in self.chunks if c.start >= len(c.request.prompt_ids))
+        """One-token chunks past the prompt: the decodes. Everything else is prefill (stage 07's
+        recompute of a preempted request's output included)."""
+        return sum(1 for c in self.chunks if c.start >= len(c.request.prompt_ids) and c.length == 1)
 
     @property
     def prefill_tokens(self) -> int:
@@ -121,6 +123,11 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def may_admit(self) -> bool:
+        """Whether waiting requests may start this step. Static batching admits only into an empty
+        batch; stage 07 also holds admission while a preempted request waits to resume."""
+        return not (self.config.static and self.running)
+
     def admit(self, request: Request, now: float) -> object:
         """Move a waiting request to running; return the KV handle the allocator gave it."""
         kv = self.allocator.allocate(request)
@@ -147,7 +154,7 @@ class Scheduler:
         budget = sys.maxsize if self.config.static else self.config.token_budget  # static: whole prompts
         chunks: list[ScheduledChunk] = []
         admitted: list[Request] = []
-        admitting = not (self.config.static and self.running)  # static: only into an empty batch
+        admitting = self.may_admit()
         ordered = sorted(self.running, key=lambda r: r.remaining > 1)  # stable: decodes, then prefills
         for request in ordered:
             length = min(request.remaining, budget)

@@ -9,14 +9,10 @@ from types import SimpleNamespace
 
 import torch
 
-from typing import TYPE_CHECKING
-
 from aie_lessons.engine.engine import Engine
+from aie_lessons.engine.scheduler import KVAllocator, Schedule, Scheduler, SchedulerConfig
 from aie_lessons.engine.slot_cache import SlotAllocator
 from aie_lessons.sampling import SamplingParams
-
-if TYPE_CHECKING:
-    from aie_lessons.engine.scheduler import Schedule, SchedulerConfig
 
 
 class SimClock:
@@ -90,17 +86,23 @@ class Arrival:
     prompt_len: int
     output_len: int
     priority: float = 0.0
+    prompt: tuple[int, ...] | None = None  # the prompt's tokens; by default prompt_len ones
 
 
 def simulate(arrivals: list[Arrival], config: SchedulerConfig, cost: StepCost = StepCost(),
-             max_len: int = 4096, aborts: dict[int, list[str]] | None = None) -> Engine:
+             max_len: int = 4096, aborts: dict[int, list[str]] | None = None,
+             allocator: KVAllocator | None = None, scheduler_class: type[Scheduler] = Scheduler,
+             after_step: Callable[[Engine], None] | None = None) -> Engine:
     """Run scripted arrivals through a real ``Engine``; request i is ``f"r{i}"``.
 
     Arrivals are noticed between steps (as a server notices them); ``aborts`` maps a step number
-    to the ids to abort before it.
+    to the ids to abort before it. ``allocator`` replaces the slots (stage 07's blocks, with their
+    ``scheduler_class``); ``after_step(engine)`` runs after every step, e.g. to check invariants.
     """
     clock = SimClock()
-    engine = Engine(ScriptedRunner(clock, cost, config.max_seqs, max_len), ScriptTokenizer(), {0}, config, clock)
+    runner = ScriptedRunner(clock, cost, config.max_seqs, max_len)
+    runner.allocator = allocator or runner.allocator
+    engine = Engine(runner, ScriptTokenizer(), {0}, config, clock, scheduler_class)
     order = sorted(range(len(arrivals)), key=lambda i: arrivals[i].time)
     aborts = aborts or {}
     step = 0
@@ -108,13 +110,15 @@ def simulate(arrivals: list[Arrival], config: SchedulerConfig, cost: StepCost = 
         while order and arrivals[order[0]].time <= clock.now:
             i = order.pop(0)
             a = arrivals[i]
-            engine.add_request([1] * a.prompt_len, SamplingParams(max_new_tokens=a.output_len, ignore_eos=True),
+            engine.add_request(list(a.prompt or [1] * a.prompt_len), SamplingParams(max_new_tokens=a.output_len, ignore_eos=True),
                                priority=a.priority, request_id=f"r{i}")
         for request_id in aborts.get(step, []):
             engine.abort(request_id)
         if engine.has_work():
             engine.step()
             step += 1
+            if after_step:
+                after_step(engine)
         elif order:  # idle until the next arrival
             clock.now = arrivals[order[0]].time
     return engine
