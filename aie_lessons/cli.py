@@ -190,20 +190,31 @@ def _preview(prompt: str, width: int = 60) -> str:
 
 def _run_engine(args: argparse.Namespace, model: LlamaModel, tokenizer: Tokenizer, prompts: list[str],
                 prompt_ids: list[list[int]], params: SamplingParams) -> None:
-    """Every prompt through stage 06's engine, with one KV slot per request it may run at once."""
+    """Every prompt through the engine: stage 07's paged KV cache by default, or stage 06's slots."""
     import time
 
     from aie_lessons.engine.engine import Engine
+    from aie_lessons.engine.paged_engine import paged_engine
     from aie_lessons.engine.request import RequestStatus
     from aie_lessons.generate import PromptError
+    from aie_lessons.engine.paged_cache import block_bytes
 
     count = len(prompts)
     context = model.config.max_position_embeddings
     # Slots just long enough for the longest request: the KV cache is max_seqs × max_len positions,
     # and sizing it for the whole context (8192 for SmolLM2) would take gigabytes for nothing.
     max_len = min(max(map(len, prompt_ids)) + params.max_new_tokens, context)
-    engine = Engine.from_model(model, tokenizer, max_seqs=min(args.max_seqs, count),
-                               token_budget=args.token_budget, max_len=max_len)
+    max_seqs = min(args.max_seqs, count)
+    if args.kv == "slots":
+        engine = Engine.from_model(model, tokenizer, max_seqs=max_seqs, token_budget=args.token_budget,
+                                   max_len=max_len)
+        memory = f"{max_seqs} KV slots of {max_len} tokens"
+    else:  # the bytes of those slots, rounded up to whole blocks: requests hold only what they have used
+        kv_bytes = max_seqs * -(-max_len // BLOCK_SIZE) * block_bytes(model.config, BLOCK_SIZE, model.embed_tokens.weight.dtype)
+        engine = paged_engine(model, tokenizer, max_seqs=max_seqs, token_budget=args.token_budget,
+                              kv_bytes=kv_bytes, block_size=BLOCK_SIZE)
+        allocator = engine.runner.allocator
+        memory = f"{allocator.num_blocks} KV blocks of {allocator.block_size} tokens"
     for i, ids in enumerate(prompt_ids):  # every prompt is checked before any runs
         try:
             engine.check_request(ids, params)
@@ -243,7 +254,7 @@ def _run_engine(args: argparse.Namespace, model: LlamaModel, tokenizer: Tokenize
     tokens = sum(len(r.output_ids) for r in requests)
     print(f"aie generate: {count} request{'s' * (count > 1)}, {tokens} output tokens in {seconds:.2f} s "
           f"= {tokens / seconds:.1f} tok/s (engine: up to {engine.config.max_seqs} at once, "
-          f"{engine.config.token_budget} tokens per step)", file=sys.stderr)
+          f"{engine.config.token_budget} tokens per step, {memory})", file=sys.stderr)
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -354,6 +365,7 @@ class Parser(argparse.ArgumentParser):
 
 
 DEFAULT_MAX_SEQS, DEFAULT_TOKEN_BUDGET = 16, 256  # the engine's own defaults (Engine.from_model)
+BLOCK_SIZE = 16  # tokens per KV block of the paged engine
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -382,13 +394,16 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--loop", choices=["skeleton", "cached", "compiled", "engine"],
                      help="skeleton: stage 01, no KV cache (slow, for comparison); cached: stage 04's "
                           "KV cache (the default for one prompt); compiled: stage 04's fused, compiled "
-                          "decoder (compiles first: seconds); engine: stage 06's continuous batching "
+                          "decoder (compiles first: seconds); engine: continuous batching (stages 06–07) "
                           "(the default, and the only loop, for several prompts)")
     gen.add_argument("--max-seqs", type=int, default=DEFAULT_MAX_SEQS, metavar="N",
                      help=f"engine: requests running at once (default {DEFAULT_MAX_SEQS})")
     gen.add_argument("--token-budget", type=int, default=DEFAULT_TOKEN_BUDGET, metavar="N",
                      help=f"engine: tokens per step, prefill chunks included (default {DEFAULT_TOKEN_BUDGET}; "
                           "at least --max-seqs)")
+    gen.add_argument("--kv", choices=["paged", "slots"], default="paged",
+                     help="engine: KV memory in blocks of 16 tokens (stage 07, the default) or one slot "
+                          "per request (stage 06); both get the bytes of --max-seqs slots")
     gen.add_argument("--no-cache", action="store_true", help=argparse.SUPPRESS)  # old names: say the new
     gen.add_argument("--compile", action="store_true", help=argparse.SUPPRESS)
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")

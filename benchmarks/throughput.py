@@ -1,10 +1,14 @@
-"""Throughput of continuous batching on a mixed workload: our engine vs static batching.
+"""Throughput of continuous batching on a mixed workload: our engine vs static batching, and
+paged KV blocks vs KV slots in the same memory.
 
 One seeded workload (by default 32 requests, prompt lengths 16–256, output lengths 16–128, every
 request generating exactly its length; ``--prompt-max 512 --output-max 256`` gives the issue's
 lengths, twice as long a run), all requests arriving at t = 0, served in one process by:
 
-* our engine (stage 06's ``Engine``, 16 running requests, a 256-token step budget), fp32 and bf16;
+* our engine with stage 07's paged KV cache (the default engine): a 256-token step budget, the KV
+  bytes of 16 slots of the longest request, and up to 64 requests running — memory decides; fp32
+  and bf16;
+* our engine with stage 06's KV slots in the same bytes: 16 running requests at most, fp32;
 * stage 04's static batching: ``generate_cached`` on batches of 16 in arrival order, fp32;
 * transformers ``generate`` on the same static batches (greedy, left-padded), fp32;
 * our engine with ``max_seqs=1`` (one request at a time), on a seeded subset: at one request
@@ -17,6 +21,10 @@ output tokens. TTFT is measured from the start of the whole run (everyone arrive
 * stage 04: the batch's start plus its first step (prefill + first sample), which
   ``generate_cached`` records as ``step_seconds[0]``;
 * transformers: the time its streamer receives the batch's first generated tokens.
+
+A second workload measures prefix caching: 32 requests sharing a 200-token system prompt, each
+with its own 8–24-token question and 16 output tokens, all arriving at t = 0, through the paged
+engine with and without it: prefill tokens computed, TTFT and identical tokens.
 
 The machine is shared and its speed drifts, so every ratio is taken within one run; run the
 script several times. Greedy tokens are compared too, so a speed measured on wrong output shows.
@@ -34,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import random
 import statistics
 import time
 import warnings
@@ -45,19 +54,27 @@ from tqdm import tqdm  # noqa: E402
 
 from aie_lessons.cached_generate import generate_cached  # noqa: E402
 from aie_lessons.engine.engine import Engine, StepStats  # noqa: E402
+from aie_lessons.engine.paged_engine import paged_engine  # noqa: E402
 from aie_lessons.engine.workload import RunSummary, mixed_workload, percentile, run_workload  # noqa: E402
 from aie_lessons.infra.paths import default_model_dir  # noqa: E402
+from aie_lessons.kv_cache import kv_cache_bytes  # noqa: E402
 from aie_lessons.model import LlamaModel  # noqa: E402
 from aie_lessons.sampling import SamplingParams  # noqa: E402
 from aie_lessons.tokenizer import Tokenizer  # noqa: E402
 
 MIN_LEN = 16  # the shortest prompt and output
-BATCH = 16  # static batches, and the engine's max_seqs
+BATCH = 16  # static batches, the slot engine's max_seqs, and the KV memory of both engines in slots
+PAGED_MAX_SEQS = 64  # the paged engine's upper bound: its KV memory is what limits it
 TOKEN_BUDGET = 256
 TARGETS = {  # from the course's continuous-batching issue; judged on the fp32 systems
     "engine fp32 / stage-04 static fp32": 1.5,
     "engine fp32 / transformers static fp32": 2.5,
     "engine fp32 / engine max_seqs=1 fp32": 4.0,
+}
+PAGED_TARGETS = {  # from the course's paged-KV issue
+    "concurrent requests, blocks / slots": 2.0,
+    "engine fp32 / engine slots fp32": 1.0,
+    "prefill tokens saved by prefix caching": 0.80,
 }
 OVERHEAD_TARGET = 0.10  # the engine's Python work, as a share of a step at 16 running requests
 
@@ -73,6 +90,8 @@ class Measured:
     stats: list[StepStats] | None = None  # the engine's steps
     full_steps: list[float] | None = None  # stage 04: its decode steps with all 16 rows
     row_steps: int = 0  # static batches: rows × steps computed (finished rows keep running)
+    preemptions: int = 0  # the paged engine's
+    hit_tokens: int = 0  # prompt tokens the prefix cache saved
 
 
 def with_progress(engine: Engine, total: int, desc: str) -> tqdm:
@@ -89,13 +108,31 @@ def with_progress(engine: Engine, total: int, desc: str) -> tqdm:
     return bar
 
 
-def run_engine(model: LlamaModel, tokenizer: Tokenizer, workload: Workload, max_seqs: int, max_len: int,
-               desc: str) -> Measured:
-    engine = Engine.from_model(model, tokenizer, max_seqs=max_seqs, token_budget=TOKEN_BUDGET, max_len=max_len)
+def run_engine(model: LlamaModel, tokenizer: Tokenizer, workload: Workload, slots: int, max_len: int,
+               desc: str, kv: str = "paged", prefix_caching: bool = True) -> Measured:
+    """The engine with the KV bytes of ``slots`` slots of ``max_len`` tokens: as slots (stage 06), or
+    as blocks (stage 07), which may then run up to PAGED_MAX_SEQS requests (at least ``slots``)."""
+    if kv == "slots":
+        engine = Engine.from_model(model, tokenizer, max_seqs=slots, token_budget=TOKEN_BUDGET, max_len=max_len)
+    else:
+        kv_bytes = kv_cache_bytes(model.config, max_len, slots, model.embed_tokens.weight.dtype)
+        engine = paged_engine(model, tokenizer, max_seqs=max(slots, min(PAGED_MAX_SEQS, 4 * slots)),
+                              token_budget=TOKEN_BUDGET, kv_bytes=kv_bytes, prefix_caching=prefix_caching)
     with with_progress(engine, len(workload), desc):
         summary = run_workload(engine, workload)
     requests = list(engine.requests.values())  # in the order added: the workload's
-    return Measured(summary, [r.output_ids for r in requests], engine.stats)
+    allocator = engine.runner.allocator
+    return Measured(summary, [r.output_ids for r in requests], engine.stats,
+                    preemptions=getattr(engine.scheduler, "num_preemptions", 0),
+                    hit_tokens=getattr(allocator, "hit_tokens", 0))
+
+
+def shared_prefix_workload(n: int, shared: int, seed: int, vocab_size: int) -> Workload:
+    """``n`` requests: one ``shared``-token system prompt, then each its own question, 16 new tokens."""
+    rng = random.Random(seed)
+    system = [rng.randrange(100, vocab_size) for _ in range(shared)]
+    return [(system + [rng.randrange(100, vocab_size) for _ in range(rng.randint(8, 24))],
+             SamplingParams(max_new_tokens=16, ignore_eos=True)) for _ in range(n)]
 
 
 def static_batches(workload: Workload) -> list[Workload]:
@@ -235,6 +272,31 @@ def step_report(engine: Measured, static: Measured) -> str:
     return "\n".join(lines)
 
 
+def paged_report(paged: Measured, slots: Measured, shared: dict[str, Measured]) -> str:
+    """Blocks vs slots in the same bytes, and prefix caching on the shared-prompt workload."""
+    most = {name: max(s.running for s in m.stats) for name, m in (("blocks", paged), ("slots", slots))}
+    mean = {name: statistics.mean(s.running for s in m.stats) for name, m in (("blocks", paged), ("slots", slots))}
+    on, off = shared["prefix caching on"], shared["prefix caching off"]
+    computed = {name: sum(s.prefill_tokens for s in m.stats) for name, m in (("on", on), ("off", off))}
+    values = {
+        "concurrent requests, blocks / slots": most["blocks"] / most["slots"],
+        "engine fp32 / engine slots fp32": paged.summary.tokens_per_s / slots.summary.tokens_per_s,
+        "prefill tokens saved by prefix caching": 1 - computed["on"] / computed["off"],
+    }
+    lines = [f"\npaged KV (the bytes of {BATCH} slots of the longest request): at most {most['blocks']} "
+             f"requests running ({mean['blocks']:.1f} on average) vs {most['slots']} ({mean['slots']:.1f}) with "
+             f"slots; {paged.preemptions} preemptions",
+             f"prefix caching, 32 requests sharing 200 tokens: prefill tokens computed {computed['on']} with, "
+             f"{computed['off']} without ({on.hit_tokens} tokens found in the cache); TTFT p50 "
+             f"{percentile(on.summary.ttft, 50):.2f} s with, {percentile(off.summary.ttft, 50):.2f} s without; "
+             f"tokens: {agreement(on.tokens, off.tokens)}",
+             f"{'paged KV':<48} {'value':>6} {'target':>7}"]
+    for name, value in values.items():
+        target = PAGED_TARGETS[name]
+        lines.append(f"{name:<48} {value:>6.2f} {target:>7} {'met' if value >= target else 'NOT met'}")
+    return "\n".join(lines)
+
+
 def describe(workload: Workload) -> str:
     prompts = [len(p) for p, _ in workload]
     outputs = [p.max_new_tokens for _, p in workload]
@@ -278,12 +340,15 @@ def main() -> None:
     warm = mixed_workload(2, args.seed + 1, (16, 32), (4, 8), fp32.config.vocab_size)
     print("warming up every system on 2 short requests (not timed) ...", flush=True)
     run_engine(fp32, tokenizer, warm, BATCH, max_len, "warm-up")
+    run_engine(fp32, tokenizer, warm, BATCH, max_len, "warm-up", kv="slots")
     run_engine(bf16, tokenizer, warm, BATCH, max_len, "warm-up")
     run_static_04(fp32, tokenizer, warm, "warm-up")
     run_static_transformers(hf, warm, pad_id, "warm-up")
 
     systems = {  # (name, what it runs): one after the other, in this order
         "engine fp32": lambda: run_engine(fp32, tokenizer, workload, BATCH, max_len, "engine fp32"),
+        "engine slots fp32": lambda: run_engine(fp32, tokenizer, workload, BATCH, max_len, "engine slots fp32",
+                                                kv="slots"),
         "stage-04 static fp32": lambda: run_static_04(fp32, tokenizer, workload, "stage-04 static fp32"),
         "transformers static fp32": lambda: run_static_transformers(hf, workload, pad_id,
                                                                     "transformers static fp32"),
@@ -291,11 +356,18 @@ def main() -> None:
         "engine max_seqs=1 fp32": lambda: run_engine(fp32, tokenizer, subset, 1, max_len,
                                                      "engine max_seqs=1 fp32"),
     }
+    shared = shared_prefix_workload(32, 200, args.seed, fp32.config.vocab_size)
+    shared_len = max(len(p) + params.max_new_tokens for p, params in shared)
+    for caching in (True, False):
+        systems[f"prefix caching {'on' if caching else 'off'}"] = (
+            lambda caching=caching: run_engine(fp32, tokenizer, shared, BATCH, shared_len,
+                                               f"prefix caching {caching}", prefix_caching=caching))
     measured: dict[str, Measured] = {}
     for name, run in systems.items():
         measured[name] = run()
         s = measured[name].summary
         print(f"{name}: {s.seconds:.1f} s, {s.tokens_per_s:.1f} output tok/s", flush=True)
+    shared_runs = {name: measured.pop(name) for name in ("prefix caching on", "prefix caching off")}
 
     print("\nTTFT: from t = 0 (all requests arrive together) to the request's first token. engine: its "
           "Request metrics; stage-04: batch start + generate_cached's step_seconds[0] (prefill + first "
@@ -330,6 +402,8 @@ def main() -> None:
     print(f"TTFT p50, stage-04 static / engine fp32: {p50['stage-04 static fp32'] / p50['engine fp32']:.2f}; "
           f"transformers static / engine fp32: {p50['transformers static fp32'] / p50['engine fp32']:.2f}")
 
+    print(paged_report(measured["engine fp32"], measured["engine slots fp32"], shared_runs))
+
     print("\nengine fp32 overhead (schedule + prepare + sample + postprocess, from StepStats):")
     share, text = overhead_report(measured["engine fp32"].stats, BATCH)
     print(text)
@@ -339,7 +413,7 @@ def main() -> None:
     print("\ngreedy tokens against the engine fp32 (fp32 everywhere; batch shapes differ, so rare "
           "near-ties may flip):")
     engine_tokens = measured["engine fp32"].tokens
-    for name in ("stage-04 static fp32", "transformers static fp32"):
+    for name in ("engine slots fp32", "stage-04 static fp32", "transformers static fp32"):
         print(f"  {name}: {agreement(engine_tokens, measured[name].tokens)}")
     print(f"  engine max_seqs=1 fp32: {agreement(engine_tokens[:len(subset)], measured['engine max_seqs=1 fp32'].tokens)}")
     print("\nwhere the time goes:")

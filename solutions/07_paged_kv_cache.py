@@ -627,7 +627,7 @@ plt.show()
 # * growing: take each new block with `self.take_block()` (the head of the free queue), set its
 #   reference count to 1, append it;
 # * shrinking: remove blocks **from the end** of the table; drop each one's reference count, and
-#   give it back with `self.release_block(block)` only when the count reaches 0 — a block another
+#   give the block back (`release_block`) only when its count reaches 0 — a block another
 #   table still holds must stay where it is.
 
 # %%
@@ -636,7 +636,6 @@ plt.show()
 
 from __future__ import annotations
 
-import math
 from collections import OrderedDict
 
 
@@ -662,7 +661,7 @@ class BlockManager:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.prefix_caching = prefix_caching
-        self.watermark_blocks = math.ceil(watermark * num_blocks)
+        self.watermark_blocks = int(watermark * num_blocks)  # none in a pool of under 100 blocks
         self.ref_counts = [0] * num_blocks
         self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.tables: dict[str, list[int]] = {}
@@ -902,8 +901,7 @@ def chunk_slots(chunk: ScheduledChunk, block_size: int) -> list[int]:
     # BEGIN EXERCISE 7.3: the slot of each position start … start + length − 1, through the chunk's block table (chunk.kv)
     # Hint 1: Position p lives in the table's block number p // block_size, at offset p % block_size inside it; blocks are block_size slots apart in the flat view.
     # Hint 2: For each p in range(chunk.start, chunk.start + chunk.length): table[p // block_size] * block_size + p % block_size.
-    table = chunk.kv
-    return [table[p // block_size] * block_size + p % block_size
+    return [chunk.kv[p // block_size] * block_size + p % block_size
             for p in range(chunk.start, chunk.start + chunk.length)]
     # END EXERCISE 7.3
 
@@ -1367,8 +1365,8 @@ checks.stage07.check_block_hashes(block_hashes)
 # Complete `make_room(scheduler, now)`. For each running request, most urgent first (the loop is
 # given): skip it if it was preempted earlier in this loop; otherwise, while
 # `scheduler.allocator.can_grow(request.id, request.num_tokens)` is false, choose the victim by
-# the rules above among `scheduler.running` and `scheduler.preempt(victim)` it — stop if the
-# victim is the request itself. When it can grow, `scheduler.allocator.grow(request.id,
+# the rules above among `scheduler.running` and preempt it with the scheduler's `preempt` — stop
+# if the victim is the request itself. When it can grow, `scheduler.allocator.grow(request.id,
 # request.num_tokens)`. Return the preempted requests, in the order they were preempted.
 
 # %%
@@ -1376,6 +1374,8 @@ checks.stage07.check_block_hashes(block_hashes)
 """Stage 06's scheduler over blocks: grow running requests, preempt when memory runs out."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 
 def make_room(scheduler: PagedScheduler, now: float) -> list[Request]:
@@ -1385,7 +1385,7 @@ def make_room(scheduler: PagedScheduler, now: float) -> list[Request]:
     for request in sorted(scheduler.running, key=lambda r: (-effective_priority(r, now, rate), r.seq)):
         # BEGIN EXERCISE 7.5: grow the request; while it cannot, preempt the running request with the lowest effective priority (then the latest arrival)
         # Hint 1: A request preempted earlier in this loop has nothing to grow. The victim is the running request with the least claim to the memory: lowest effective priority, and among equals the one that arrived last; if that is the request itself, it gives way and stops.
-        # Hint 2: Skip the request unless its status is RUNNING. While not can_grow: victim = min over scheduler.running by (effective_priority(r, now, rate), -r.seq); scheduler.preempt(victim); record it; break if victim is request. If it is still running, grow it.
+        # Hint 2: Skip the request unless its status is RUNNING. While not can_grow: victim = min over scheduler.running by (effective_priority(r, now, rate), -r.seq); preempt it through the scheduler; record it; break if it was the request itself. If it is still running, grow it.
         if request.status is not RequestStatus.RUNNING:
             continue
         while not scheduler.allocator.can_grow(request.id, request.num_tokens):
@@ -1606,7 +1606,7 @@ plt.show()
 # The simulator's cost model charges a little per decode row, so more requests per step is more
 # tokens per second here; on the real model the same is measured by the throughput benchmark,
 # which runs the slot engine and the paged engine side by side:
-# `.venv/bin/python benchmarks/throughput.py --kv paged,slots`.
+# `make bench-throughput` (`.venv/bin/python benchmarks/throughput.py`).
 #
 # ### Prefix caching
 #

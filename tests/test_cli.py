@@ -129,7 +129,7 @@ def test_compiled_loop_with_bf16_activations_is_refused(tiny_dir):
     assert out.returncode != 0 and "--loop compiled computes in float32" in out.stderr
 
 
-# --- several prompts: stage 06's engine ------------------------------------------------------
+# --- several prompts: the engine (stage 07's paged KV cache by default, stage 06's slots) -----
 
 
 def stage04(model_dir: Path, prompts: list[str], max_new_tokens: int, model=None) -> list:
@@ -149,12 +149,14 @@ def json_lines(out: subprocess.CompletedProcess) -> list[dict]:
     return [json.loads(line) for line in out.stdout.splitlines()]
 
 
-def test_several_prompts_run_through_the_engine_in_prompt_order(tiny_untied_dir):
+@pytest.mark.parametrize("kv", ["paged", "slots", None])
+def test_several_prompts_run_through_the_engine_in_prompt_order(tiny_untied_dir, kv):
     """Positional prompts then --prompt ones, two at a time in 4-token steps (so prompts wait and
-    are prefilled in chunks): each answer is stage 04's, and the text output labels them in order."""
+    are prefilled in chunks): each answer is stage 04's, and the text output labels them in order.
+    Without --kv, the engine runs on blocks."""
     prompts = ["The quick brown fox", "Once upon", "Hello there, how are you"]
     args = ("generate", *prompts[:2], "--prompt", prompts[2], "--model", str(tiny_untied_dir),
-            "--max-new-tokens", "6", "--max-seqs", "2", "--token-budget", "4")
+            "--max-new-tokens", "6", "--max-seqs", "2", "--token-budget", "4", *(("--kv", kv) if kv else ()))
     results = json_lines(run(*args, "--json"))
     expected = stage04(tiny_untied_dir, prompts, 6)
     assert len({tuple(r.token_ids) for r in expected}) == 3, "distinct answers, or order is not tested"
@@ -168,6 +170,7 @@ def test_several_prompts_run_through_the_engine_in_prompt_order(tiny_untied_dir)
     summary = [line for line in out.stderr.splitlines() if line.strip()]
     assert len(summary) == 1 and "3 requests, 18 output tokens" in summary[0] and "tok/s" in summary[0]
     assert "up to 2 at once, 4 tokens per step" in summary[0]
+    assert ("KV slots of" if kv == "slots" else "KV blocks of 16 tokens") in summary[0], summary[0]
 
 
 def aie(capsys, *args: str) -> tuple[int, str, str]:

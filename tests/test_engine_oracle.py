@@ -1,9 +1,11 @@
-"""Stage 06's engine on the real model against oracles it does not share code with.
+"""Stage 06's and 07's engines on the real model against oracles they do not share code with.
 
 A request's tokens must not depend on what else the engine runs: alone, in any mix of other
 requests, arriving while others are half-way, or with its prompt cut into chunks by the token
 budget, greedy decoding gives stage 04's tokens, and those are transformers' tokens on the same
 weights. Seeded sampling gives each request its own stream, so it is batch-independent too.
+Stage 07 keeps all of it over a paged cache (KV in blocks, read by gathering or in place),
+through preemption (a request recomputed from scratch) and prefix-cache hits.
 
 fp32 results differ by summation order (batch shapes, backends) by ~1e-5 per logit, so an
 argmax can only flip at a near-tie. When tokens differ, the failure reports fp32's top-2 margin
@@ -21,7 +23,9 @@ import torch
 import aie_lessons.attention  # noqa: F401  registers stage 02's "manual" backend
 from aie_lessons.cached_generate import generate_cached
 from aie_lessons.engine.engine import Engine
+from aie_lessons.engine.paged_engine import paged_engine
 from aie_lessons.engine.request import Request
+from aie_lessons.kv_cache import kv_cache_bytes
 from aie_lessons.model import LlamaModel
 from aie_lessons.padded_batch import left_pad
 from aie_lessons.sampling import SamplingParams
@@ -107,6 +111,21 @@ def run_engine(engine: Engine, prompts: Sequence[list[int]], arrivals: Sequence[
     return requests
 
 
+# The KV memories an engine can run on: stage 06's slots, and stage 07's blocks (small blocks, so
+# that the prompts of 5 to 19 tokens cross block boundaries), read by gathering or in place.
+KV_KINDS = ["slots", "blocks, gathered", "blocks, in place"]
+
+
+def make_engine(kind: str, model: LlamaModel, tokenizer: Tokenizer, max_seqs: int, token_budget: int,
+                **kwargs) -> Engine:
+    if kind == "slots":
+        return Engine.from_model(model, tokenizer, max_seqs=max_seqs, token_budget=token_budget,
+                                 max_len=MAX_LEN, **kwargs)
+    kv_bytes = kv_cache_bytes(model.config, MAX_LEN, max_seqs, model.embed_tokens.weight.dtype)
+    return paged_engine(model, tokenizer, max_seqs=max_seqs, token_budget=token_budget, kv_bytes=kv_bytes,
+                        block_size=4, decode="gather" if kind == "blocks, gathered" else "paged", **kwargs)
+
+
 def all_at_once(order: Sequence[int]) -> list[tuple[int, int]]:
     return [(0, index) for index in order]
 
@@ -141,11 +160,16 @@ def test_stage04_greedy_tokens_equal_transformers(references, gguf_reference):
         assert_tokens(row, reference, "transformers' greedy generate")
 
 
-@pytest.mark.parametrize("name", list(GREEDY_SCENARIOS))
-def test_engine_greedy_tokens_do_not_depend_on_the_batch(real_model, tokenizer, references, name):
+# Every scenario on slots and on gathered blocks; reading blocks in place (the same arithmetic in
+# another order) on the two scenarios that mix chunks, decodes and late arrivals the most.
+GREEDY_RUNS = [(name, kind) for name in GREEDY_SCENARIOS for kind in KV_KINDS[:2]] + [
+    ("all at once, budget 32", "blocks, in place"), ("budget 7, arriving mid-flight", "blocks, in place")]
+
+
+@pytest.mark.parametrize("name, kind", GREEDY_RUNS)
+def test_engine_greedy_tokens_do_not_depend_on_the_batch(real_model, tokenizer, references, name, kind):
     scenario = GREEDY_SCENARIOS[name]
-    engine = Engine.from_model(real_model, tokenizer, max_seqs=scenario.max_seqs,
-                               token_budget=scenario.token_budget, max_len=MAX_LEN)
+    engine = make_engine(kind, real_model, tokenizer, scenario.max_seqs, scenario.token_budget)
     requests = run_engine(engine, [r.prompt_ids for r in references], scenario.arrivals,
                           [GREEDY] * len(references))
     for index, reference in enumerate(references):
@@ -164,7 +188,8 @@ SAMPLED = [SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.8, top_k=40, 
            for i in range(len(PROMPTS))]
 
 
-def test_seeded_sampling_does_not_depend_on_the_batch(real_model, tokenizer, references):
+@pytest.mark.parametrize("kind", KV_KINDS[:2])  # in place: test_preempted_and_resumed_equals_uninterrupted
+def test_seeded_sampling_does_not_depend_on_the_batch(real_model, tokenizer, references, kind):
     """Each request draws from its own generator: the same tokens alone, in any batch or order,
     and as stage 04's padded batch (which also keeps one generator per row) draws them."""
     prompts = [r.prompt_ids for r in references]
@@ -177,18 +202,17 @@ def test_seeded_sampling_does_not_depend_on_the_batch(real_model, tokenizer, ref
         "alone": (1, 256, all_at_once([2])),
     }
     for name, (max_seqs, token_budget, arrivals) in runs.items():
-        engine = Engine.from_model(real_model, tokenizer, max_seqs=max_seqs, token_budget=token_budget,
-                                   max_len=MAX_LEN)
+        engine = make_engine(kind, real_model, tokenizer, max_seqs, token_budget)
         for index, request in run_engine(engine, prompts, arrivals, SAMPLED).items():
             got = request.result.token_ids
             assert got == expected[index], f"{name}, prompt {index}: {got} vs stage 04's {expected[index]}"
 
 
-def test_manual_attention_gives_the_sdpa_tokens(real_model, tokenizer, references):
-    """Stage 02's backend through the engine's slot cache: chunks and decodes in one pass."""
+@pytest.mark.parametrize("kind", ["slots", "blocks, gathered"])
+def test_manual_attention_gives_the_sdpa_tokens(real_model, tokenizer, references, kind):
+    """Stage 02's backend through the engine's cache: chunks and decodes in one pass."""
     chosen = [references[0], references[3]]
-    engine = Engine.from_model(real_model, tokenizer, max_seqs=2, token_budget=7, max_len=MAX_LEN,
-                               attention="manual")
+    engine = make_engine(kind, real_model, tokenizer, 2, 7, attention="manual")
     requests = run_engine(engine, [r.prompt_ids for r in chosen], all_at_once([0, 1]), [GREEDY] * 2)
     for index, reference in enumerate(chosen):
         assert_tokens(requests[index].result.token_ids, reference, f"engine with attention='manual', prompt {index}")
@@ -248,3 +272,52 @@ def test_step_stats_on_the_real_model(real_model, tokenizer, references):
     assert sum(s.prefill_tokens for s in engine.stats) == sum(len(r.prompt_ids) for r in chosen)
     assert sum(s.decode_rows for s in engine.stats) == sum(len(t) - 1 for t in tokens)
     assert [len(t) for t in tokens] == [4, 4]
+
+
+# --- stage 07: preemption and prefix caching ----------------------------------------------------
+def tight_engine(model: LlamaModel, tokenizer: Tokenizer, decode: str = "gather") -> Engine:
+    """Blocks of 4 tokens, 12 of them: the longest request (31 tokens, 8 blocks) fits alone, but
+    four together do not, so the engine must preempt."""
+    kv_bytes = 12 * kv_cache_bytes(model.config, 4, 1, model.embed_tokens.weight.dtype)
+    return paged_engine(model, tokenizer, max_seqs=4, token_budget=16, kv_bytes=kv_bytes, block_size=4,
+                        decode=decode)
+
+
+@pytest.mark.parametrize("decode", ["gather", "paged"])
+def test_preempted_and_resumed_equals_uninterrupted(real_model, tokenizer, references, decode):
+    """Greedy and seeded sampling: a request recomputed after preemption continues exactly as if
+    it had never stopped (its generator stays with the sampler)."""
+    prompts = [r.prompt_ids for r in references]
+    engine = tight_engine(real_model, tokenizer, decode)
+    requests = run_engine(engine, prompts, all_at_once([0, 1, 2, 3]), [GREEDY] * 4)
+    assert engine.scheduler.num_preemptions > 0, "the pool was large enough: nothing was preempted"
+    for index, reference in enumerate(references):
+        assert_tokens(requests[index].result.token_ids, reference, f"preempting engine ({decode}), prompt {index}")
+    assert engine.runner.allocator.used == 0
+    sampled = tight_engine(real_model, tokenizer, decode)
+    expected = [r.token_ids for r in generate_cached(real_model, tokenizer, prompts, SAMPLED)]
+    got = run_engine(sampled, prompts, [(0, 3), (0, 2), (2, 1), (3, 0)], SAMPLED)
+    assert sampled.scheduler.num_preemptions > 0
+    assert [got[i].result.token_ids for i in range(4)] == expected
+
+
+def test_prefix_cache_hit_equals_miss(real_model, tokenizer, references):
+    """Prompts sharing a long prefix: with prefix caching the later ones reuse the first one's
+    blocks, compute fewer prefill tokens, and still give exactly the tokens computed without it."""
+    shared = tokenizer.encode("You answer questions about lighthouses, briefly and accurately. " * 3)
+    prompts = [shared + r.prompt_ids for r in references]
+    expected = [r.token_ids for r in generate_cached(real_model, tokenizer, prompts, GREEDY)]  # one padded batch
+    runs = {}
+    for caching in (False, True):
+        engine = paged_engine(real_model, tokenizer, max_seqs=4, token_budget=256, block_size=16,
+                              prefix_caching=caching)
+        requests = run_engine(engine, prompts, [(0, 0), (1, 1), (1, 2), (2, 3)], [GREEDY] * 4)
+        runs[caching] = (engine, [requests[i].result.token_ids for i in range(4)])
+    for caching, (engine, tokens) in runs.items():
+        assert tokens == expected, f"prefix_caching={caching}: {tokens} vs stage 04's {expected}"
+    computed = {caching: sum(s.prefill_tokens for s in e.stats) for caching, (e, _) in runs.items()}
+    saved = runs[True][0].runner.allocator.hit_tokens
+    full_blocks = len(shared) // 16 * 16
+    assert saved == 3 * full_blocks, (saved, len(shared))  # the three later requests, whole blocks only
+    assert computed[False] - computed[True] == saved, computed
+    assert runs[False][0].runner.allocator.hit_tokens == 0

@@ -11,7 +11,7 @@ import random
 from collections import OrderedDict
 from types import SimpleNamespace
 
-from aie_lessons.checks.common import call, fail, passed
+from aie_lessons.checks.common import CheckFailed, call, fail, passed
 
 
 # --- 7.1: first fit (the reference is a byte map, one flag per unit) ----------------------------
@@ -307,11 +307,18 @@ def check_resize(BlockManager) -> None:
     # Another table shares the first block, as a prefix-cache hit would.
     shared = table[0]
     manager.ref_counts[shared] += 1
-    before = list(manager.free_queue)
+    before, grown = list(manager.free_queue), list(table)
     call(ex, manager.resize, table, 4)
+    if table == grown:
+        fail(ex, f"resizing from 9 tokens to 4 left the table at {table}: it did not shrink. When the table "
+                 "holds more blocks than the tokens need, drop the extra ones from its end")
     if table != [shared]:
         fail(ex, f"shrinking to 4 tokens keeps the table's FIRST block and drops from the end; got {table}")
     released = list(manager.free_queue)[len(before):]
+    if not released and [manager.ref_counts[b] for b in grown[1:]] == [1, 1]:
+        fail(ex, f"shrinking dropped blocks {grown[1:]} from the table, but their reference counts are still 1, "
+                 "so they were never released: subtract one from the count of each dropped block, and release "
+                 "it when the count reaches 0")
     if sorted(released) != sorted([1, 2]):
         fail(ex, f"shrinking from 3 blocks to 1 must give back exactly the 2 dropped blocks; the free queue "
                  f"gained {released}")
@@ -320,7 +327,9 @@ def check_resize(BlockManager) -> None:
                  f"got {released}")
     if any(manager.ref_counts[b] for b in released):
         fail(ex, "a released block must have reference count 0: drop each dropped block's count by one")
-    call(ex, manager.resize, table, 0)
+    call(ex, manager.resize, table, 0,
+         hint=f"block {shared} is still held by another table (its count was 2): subtract one from its count, "
+              "and release a block only when its count reaches 0")
     if table:
         fail(ex, f"resizing to 0 tokens empties the table; it still holds {table}")
     if shared in manager.free_queue:
@@ -373,34 +382,52 @@ def _random_resizes(ex: str, BlockManager) -> None:
 def check_chunk_slots(chunk_slots, ScheduledChunk) -> None:
     ex = "7.3"
     rng = random.Random(3)
-    for size in (1, 4, 16):
+    for size in (4, 16, 1):  # block_size 1 last: there a shift and a wrong block look alike
         for _ in range(20):
-            table = rng.sample(range(64), 6)
+            # One spare block in the table, and a request that may go on past the chunk (a prefill
+            # chunk need not end at the request's last token): reads past the chunk then show.
+            table = rng.sample(range(64), 7)
             start = rng.randrange(0, 5 * size)
             length = rng.randint(1, 6 * size - start)
-            request = SimpleNamespace(num_tokens=start + length, id="r0")
+            request = SimpleNamespace(num_tokens=start + length + rng.randint(0, size), id="r0")
             chunk = ScheduledChunk(request, start, length, table)
-            expected = [table[p // size] * size + p % size for p in range(start, start + length)]
+
+            def slots(positions: range) -> list[int]:
+                return [table[p // size] * size + p % size for p in positions]
+
+            positions = range(start, start + length)
+            expected = slots(positions)
             got = call(ex, chunk_slots, chunk, size)
             got = list(got) if got is not None else None
             if got == expected:
                 continue
             where = f"(table {table}, block_size {size}, tokens {start}…{start + length - 1})"
+            if got is not None and len(got) == request.num_tokens - start != length:
+                fail(ex, f"one slot per token of the chunk: its {length} tokens run from chunk.start to "
+                         f"chunk.start + chunk.length − 1, not to the request's last token; got {len(got)} slots "
+                         f"{where}")
             if got is None or len(got) != length:
                 fail(ex, f"one slot per token of the chunk: expected {length}, got "
                          f"{None if got is None else len(got)} {where}")
-            if got == list(range(start, start + length)):
+            if got == list(positions):
                 fail(ex, f"the slots are the positions themselves: look each position's block up in the table "
                          f"{where}")
-            if got == [table[p // size] + p % size for p in range(start, start + length)]:
+            if got == [table[p // size] + p % size for p in positions]:
                 fail(ex, f"a block number is a count of blocks, not of slots: multiply it by block_size {where}")
-            if got == [table[(p - start) // size] * size + (p - start) % size for p in range(start, start + length)]:
+            if got == [table[p // size] * size for p in positions]:
+                fail(ex, f"every token of a block got the block's first slot: add the offset p % block_size "
+                         f"inside the block {where}")
+            if got == slots(range(length)):
                 fail(ex, f"positions start at chunk.start, not 0: the chunk's first token is position {start} "
                          f"{where}")
+            if got in (slots(range(start + 1, start + length + 1)), slots(range(start - 1, start + length - 1))):
+                fail(ex, f"the slots are shifted by one position: the chunk's tokens are positions chunk.start … "
+                         f"chunk.start + chunk.length − 1 {where}")
             first_wrong = next(i for i, (a, b) in enumerate(zip(got, expected)) if a != b)
             p = start + first_wrong
-            fail(ex, f"position {p} (offset {p % size} in table entry {p // size}) should be slot {expected[first_wrong]}, "
-                     f"got {got[first_wrong]}{' — the first token of a new block: check the division' if p % size == 0 else ''} {where}")
+            new_block = " — the first token of a new block: check the division" if p % size == 0 else ""
+            fail(ex, f"position {p} (offset {p % size} in table entry {p // size}) should be slot "
+                     f"{expected[first_wrong]}, got {got[first_wrong]}{new_block} {where}")
     passed(ex, "every token's slot is table[p // block_size] · block_size + p % block_size")
 
 
@@ -413,43 +440,74 @@ def _reference_hashes(tokens: list[int], size: int, parent=None) -> list[int]:
     return keys
 
 
+def _keys(ex: str, block_hashes, *args) -> list:
+    """The learner's keys as a list; a list block (unhashable) is named, other crashes reported."""
+    try:
+        got = call(ex, block_hashes, *args)
+    except CheckFailed as failure:
+        cause = failure.__cause__
+        if isinstance(cause, TypeError) and "unhashable" in str(cause):
+            fail(ex, f"your code raised TypeError: {cause} — a list cannot be hashed: make each block a tuple, "
+                     "tuple(tokens[start:start + block_size])")
+        raise
+    if got is None:
+        fail(ex, "block_hashes returned None: return the list of keys, one per full block")
+    return list(got)
+
+
+def _first_key_mistake(tokens: list[int], size: int, got: int) -> str | None:
+    """Name the usual way the first key comes out wrong, if ``got`` is one of them."""
+    block = tuple(tokens[:size])
+    if got == hash((block, None)):
+        return ("the key is hash((parent, tuple(block))), in that order: you hashed (block, parent) — a "
+                "different tuple, so a different key")
+    for begin in (0, 1):
+        for stop in (size - 1, size, size + 1):
+            if (begin, stop) != (0, size) and got == hash((None, tuple(tokens[begin:stop]))):
+                return (f"the first key hashes tokens[{begin}:{stop}], not tokens[0:{size}]: your slices are off "
+                        f"by one. Block i is tokens[i * block_size:(i + 1) * block_size]")
+    return None
+
+
 def check_block_hashes(block_hashes) -> None:
     ex = "7.4"
     rng = random.Random(4)
     size = 4
     tokens = [rng.randrange(1000) for _ in range(14)]  # 3 full blocks and a partial one
-    got = call(ex, block_hashes, tokens, size)
-    got = list(got) if got is not None else None
+    got = _keys(ex, block_hashes, tokens, size)
     expected = _reference_hashes(tokens, size)
-    if got is None:
-        fail(ex, "return the list of keys")
     if len(got) == 4:
         fail(ex, "14 tokens in blocks of 4 are 3 full blocks and 2 tokens: the partial last block gets no key "
                  "(its contents will still change)")
+    if len(got) == len(tokens) - size + 1:
+        fail(ex, f"14 tokens in blocks of 4 gave {len(got)} keys, one key per token position: the blocks do "
+                 "not overlap, so step by block_size from one block's start to the next")
     if len(got) != 3:
         fail(ex, f"14 tokens in blocks of 4 have 3 full blocks, so 3 keys; got {len(got)}")
-    if got == [hash(tuple(tokens[i:i + size])) for i in range(0, 12, size)] or \
-            got == [hash((None, tuple(tokens[i:i + size]))) for i in range(0, 12, size)]:
+    blocks = [tuple(tokens[i:i + size]) for i in range(0, 12, size)]
+    if got == [hash(block) for block in blocks]:
         fail(ex, "each key must chain the previous block's key: hash((previous key, block)), so that equal "
                  "blocks after different prefixes get different keys")
+    if got == [hash((None, block)) for block in blocks]:
+        fail(ex, "every key was hashed with the same parent: the running key is never updated. After each "
+                 "block, the key you just made is the parent of the next block")
     if got[0] != expected[0]:
-        fail(ex, "the first key is hash((parent, tuple(first block's tokens))) with parent None at the start "
-                 "of a prompt")
+        fail(ex, _first_key_mistake(tokens, size, got[0])
+             or "the first key is hash((parent, tuple(first block's tokens))) with parent None at the start "
+                "of a prompt")
     if got != expected:
         fail(ex, "the keys differ from the chain hash((previous key, tuple(block))): update the running key "
                  "after each block and slice blocks at multiples of block_size")
-    repeated = tokens[:size] * 3
-    keys = call(ex, block_hashes, repeated, size)
+    keys = _keys(ex, block_hashes, tokens[:size] * 3, size)
     if len(set(keys)) != 3:
         fail(ex, "three equal blocks at different places got equal keys: the chain must make them differ")
-    cont = call(ex, block_hashes, tokens[size:], size, expected[0])
-    if list(cont) != expected[1:]:
+    if _keys(ex, block_hashes, tokens[size:], size, expected[0]) != expected[1:]:
         fail(ex, f"continuing a chain: block_hashes(tokens[{size}:], {size}, parent=first key) must give the "
                  "same keys as the whole prompt's blocks 2, 3, …: start from `parent`")
     for _ in range(20):
         n = rng.randint(0, 40)
         sample = [rng.randrange(50) for _ in range(n)]
-        if list(call(ex, block_hashes, sample, 5)) != _reference_hashes(sample, 5):
+        if _keys(ex, block_hashes, sample, 5) != _reference_hashes(sample, 5):
             fail(ex, f"wrong keys for {n} tokens in blocks of 5")
     passed(ex, "one chained key per full block; equal keys mean equal prefixes")
 
@@ -460,14 +518,22 @@ class _Allocator:
 
     def __init__(self, free: int, size: int = 4):
         self.free_count, self.size, self.held = free, size, {}
+        self.last_asked: str | None = None  # tells "asked again after being its own victim" apart
 
     def can_grow(self, rid: str, num_tokens: int) -> bool:
         if rid not in self.held:
-            raise RuntimeError(f"{rid} was preempted, so it has no blocks to grow: skip requests preempted "
-                               "earlier in the loop, and stop when the victim is the request itself")
+            if rid == self.last_asked:
+                raise RuntimeError(f"{rid} was its own victim, and you asked again whether it can grow: once "
+                                   "preempted it has no blocks, so stop when the victim is the request itself")
+            raise RuntimeError(f"{rid} was preempted earlier in this loop to make room for another request, so "
+                               "it has no blocks to grow: skip requests that are no longer RUNNING")
+        self.last_asked = rid
         return _blocks(num_tokens, self.size) - self.held[rid] <= self.free_count
 
     def grow(self, rid: str, num_tokens: int) -> None:
+        if rid not in self.held:
+            raise RuntimeError(f"{rid} was preempted, yet you grew it: grow only a request that is still running "
+                               "(stop when the victim is the request itself)")
         need = _blocks(num_tokens, self.size) - self.held[rid]
         if need > self.free_count:
             raise RuntimeError(f"KV pool exhausted: {rid} was grown while can_grow was false — keep "
@@ -513,54 +579,129 @@ def _request(rid: str, seq: int, tokens: int, priority: float = 0.0, arrival: fl
                            metrics=SimpleNamespace(arrival=arrival), arrival=arrival, held=held)
 
 
-def _reference_room(requests, free: int, now: float, rate: float):
-    def eff(r):
-        return r.priority + rate * (now - r.arrival)
-    sched = _Scheduler(requests, free, rate)
-    out = []
-    for request in sorted(sched.running, key=lambda r: (-eff(r), r.seq)):
-        if request.status is not _RUNNING:
-            continue
-        while not sched.allocator.can_grow(request.id, request.num_tokens):
-            victim = min(sched.running, key=lambda r: (eff(r), -r.seq))
-            sched.preempt(victim)
-            out.append(victim.id)
-            if victim is request:
-                break
-        else:
-            sched.allocator.grow(request.id, request.num_tokens)
-    return out, dict(sched.allocator.held)
+Case = tuple[list[tuple], int, float, float]  # (spec, free blocks, now, aging rate)
 
 
-def _case(spec, free, now=10.0, rate=1.0):
+def _case(spec, free, now=10.0, rate=1.0) -> Case:
     """spec: (tokens, priority, arrival[, blocks held]) per request. By default a request holds the
     blocks of all its tokens but the last, so it needs a new block when tokens − 1 is a multiple of 4."""
-    return [_request(f"r{i}", i, *s) for i, s in enumerate(spec)], free, now, rate
+    return spec, free, now, rate
+
+
+def _scheduler(case: Case) -> _Scheduler:
+    """Fresh stand-ins for one case: every run (the learner's, the reference's) starts from the same state."""
+    spec, free, _, rate = case
+    return _Scheduler([_request(f"r{i}", i, *s) for i, s in enumerate(spec)], free, rate)
+
+
+CASES = {
+    "enough free blocks": _case([(5, 0, 0), (9, 0, 1), (3, 0, 2)], free=2),
+    "priorities": _case([(5, 2, 5), (9, 0, 5), (13, 1, 5)], free=0),
+    "one block short, equal priorities (latest arrival gives way)": _case([(5, 0, 0), (9, 0, 1), (13, 0, 2)], free=2,
+                                                                           rate=0.0),
+    "aging: an old low priority outranks a new higher one": _case([(5, 0, 0), (9, 5, 9.5), (13, 3, 9)], free=1),
+    "the victim is the request itself": _case([(5, 0, 1), (3, 1, 0)], free=0),
+    "two victims for one request": _case([(9, 3, 0, 1), (3, 0, 1), (2, 0, 2)], free=0, rate=0.0),
+    "no block free, nobody can grow": _case([(5, 0, 0), (9, 0, 1)], free=0),
+}
+
+
+def _lowest(running, request, eff):
+    """The rule: the lowest effective priority, and among equals the latest arrival."""
+    return min(running, key=lambda r: (eff(r), -r.seq))
+
+
+def _earliest_on_ties(running, request, eff):
+    return min(running, key=lambda r: (eff(r), r.seq))
+
+
+def _fixed_priority(running, request, eff):
+    return min(running, key=lambda r: (r.priority, -r.seq))
+
+
+def _others_only(running, request, eff):
+    return min((r for r in running if r is not request), key=lambda r: (eff(r), -r.seq))
+
+
+def _highest(running, request, eff):
+    return max(running, key=lambda r: (eff(r), -r.seq))
+
+
+def _highest_earliest(running, request, eff):
+    return max(running, key=lambda r: (eff(r), r.seq))
+
+
+LOWEST_NOT_HIGHEST = "the victim is the LOWEST effective priority, not the highest"
+WRONG_VICTIMS = [  # (a usual wrong victim rule, what to tell the learner who wrote it)
+    (_earliest_on_ties, "among equal effective priorities the LATEST arrival (largest seq) gives way, not the "
+                        "earliest: it has the least invested"),
+    (_fixed_priority, "use the effective priority (exercise 6.1), which grows while a request waits, not the "
+                      "fixed priority"),
+    (_others_only, "the request that needs the block may have the lowest effective priority itself: choose the "
+                   "victim among all running requests, itself included, and stop when it is the victim"),
+    (_highest, LOWEST_NOT_HIGHEST),
+    (_highest_earliest, LOWEST_NOT_HIGHEST),
+]
+
+
+def _room_by(victim_of):
+    """make_room over the stand-ins with the victim chosen by ``victim_of(running, request, eff)``:
+    the rule (the reference), or one of the usual wrong ones (to recognise a learner's mistake)."""
+
+    def room(sched: _Scheduler, now: float) -> list:
+        rate = sched.config.aging_rate
+
+        def eff(r) -> float:
+            return r.priority + rate * (now - r.arrival)
+
+        out = []
+        for request in sorted(sched.running, key=lambda r: (-eff(r), r.seq)):
+            if request.status is not _RUNNING:
+                continue
+            while not sched.allocator.can_grow(request.id, request.num_tokens):
+                victim = victim_of(sched.running, request, eff)
+                sched.preempt(victim)
+                out.append(victim)
+                if victim is request:
+                    break
+            else:
+                sched.allocator.grow(request.id, request.num_tokens)
+        return out
+
+    return room
+
+
+def _outcomes(make_room) -> list:
+    """What ``make_room`` does in every case (whom it preempts and what each holds, or the error it
+    raises): two rules with the same outcomes cannot be told apart by these cases."""
+    outcomes = []
+    for case in CASES.values():
+        sched = _scheduler(case)
+        try:
+            make_room(sched, case[2])
+        except Exception as exc:  # the learner's code may raise anything; it is part of the outcome
+            outcomes.append(type(exc).__name__)
+            continue
+        outcomes.append((sched.preempted_log, sched.allocator.held))
+    return outcomes
 
 
 def check_make_room(make_room) -> None:
     global _RUNNING, _PREEMPTED
     _RUNNING, _PREEMPTED = _statuses()
     ex = "7.5"
-    cases = {
-        "enough free blocks": _case([(5, 0, 0), (9, 0, 1), (3, 0, 2)], free=2),
-        "one block short, equal priorities (latest arrival gives way)": _case([(5, 0, 0), (9, 0, 1), (13, 0, 2)], free=2,
-                                                                               rate=0.0),
-        "priorities": _case([(5, 2, 5), (9, 0, 5), (13, 1, 5)], free=0),
-        "aging: an old low priority outranks a new higher one": _case([(5, 0, 0), (9, 5, 9.5), (13, 3, 9)], free=1),
-        "the victim is the request itself": _case([(5, 0, 1), (3, 1, 0)], free=0),
-        "two victims for one request": _case([(9, 3, 0, 1), (3, 0, 1), (2, 0, 2)], free=0, rate=0.0),
-        "no block free, nobody can grow": _case([(5, 0, 0), (9, 0, 1)], free=0),
-    }
-    for name, (requests, free, now, rate) in cases.items():
-        expected, held = _reference_room([SimpleNamespace(**vars(r)) for r in requests], free, now, rate)
-        sched = _Scheduler(requests, free, rate)
-        got = call(ex, make_room, sched, now)
-        got_ids = [r.id for r in got] if got is not None else None
-        if got_ids is None:
-            fail(ex, f"return the list of preempted requests ({name})")
+    for name, case in CASES.items():
+        reference = _scheduler(case)
+        _room_by(_lowest)(reference, case[2])
+        expected, held = reference.preempted_log, reference.allocator.held
+        sched = _scheduler(case)
+        got = call(ex, make_room, sched, case[2])
+        if got is None:
+            fail(ex, f"make_room returned None: return the list of preempted requests, in the order you "
+                     f"preempted them (case '{name}')")
+        got_ids = [r.id for r in got]
         if sched.preempted_log != expected:
-            wrong = _diagnose_victims(sched.preempted_log, expected, requests, now, rate)
+            wrong = _diagnose_victims(make_room, sched.preempted_log, expected)
             fail(ex, f"case '{name}': preempted {sched.preempted_log}, expected {expected}. {wrong}")
         if got_ids != sched.preempted_log:
             fail(ex, f"case '{name}': return the preempted requests in the order you preempted them: "
@@ -572,27 +713,19 @@ def check_make_room(make_room) -> None:
                "arrival; a request that is its own victim stops")
 
 
-def _diagnose_victims(got: list[str], expected: list[str], requests, now: float, rate: float) -> str:
+def _diagnose_victims(make_room, got: list[str], expected: list[str]) -> str:
     if not expected and got:
         return "Nobody needed to be preempted here: check can_grow before choosing a victim."
     if expected and not got:
         return "A request that cannot grow needs a victim: preempt one while can_grow is false."
+    learner = _outcomes(make_room)
+    for victim_of, mistake in WRONG_VICTIMS:
+        if _outcomes(_room_by(victim_of)) == learner:
+            return f"Victim rule: {mistake}."
     if len(got) < len(expected) and got == expected[:len(got)]:
         return ("One victim may not free enough blocks: keep preempting while can_grow is false (a loop, not "
                 "a single if), and stop once the request itself is preempted.")
     if len(got) > len(expected) and got[:len(expected)] == expected:
         return ("A preempted request has nothing left to grow: stop when the victim is the request itself, and "
                 "skip requests already preempted in this loop.")
-    by_id = {r.id: r for r in requests}
-    first = got[0] if got else None
-    if first is not None and expected:
-        r = by_id[first]
-        hint = []
-        if all(r.priority >= o.priority for o in requests) and r.priority > min(o.priority for o in requests):
-            hint.append("the victim is the LOWEST effective priority, not the highest")
-        if rate and any(o.priority != r.priority for o in requests):
-            hint.append("use the effective priority (exercise 6.1), which grows with waiting time")
-        if r.seq == min(o.seq for o in requests):
-            hint.append("among equal priorities the LATEST arrival (largest seq) gives way")
-        return ("Victim rule: " + "; ".join(hint)) if hint else "Check the victim rule."
-    return "Check the victim rule: lowest effective priority, then latest arrival."
+    return "Check the victim rule: the lowest effective priority, and among equals the latest arrival."

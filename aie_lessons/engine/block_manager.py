@@ -4,7 +4,6 @@
 
 from __future__ import annotations
 
-import math
 from collections import OrderedDict
 
 from typing import TYPE_CHECKING
@@ -37,7 +36,7 @@ class BlockManager:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.prefix_caching = prefix_caching
-        self.watermark_blocks = math.ceil(watermark * num_blocks)
+        self.watermark_blocks = int(watermark * num_blocks)  # none in a pool of under 100 blocks
         self.ref_counts = [0] * num_blocks
         self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.tables: dict[str, list[int]] = {}

@@ -19,8 +19,7 @@ if TYPE_CHECKING:
 
 def chunk_slots(chunk: ScheduledChunk, block_size: int) -> list[int]:
     """The flat cache slot (block · block_size + offset) of each token a chunk runs."""
-    table = chunk.kv
-    return [table[p // block_size] * block_size + p % block_size
+    return [chunk.kv[p // block_size] * block_size + p % block_size
             for p in range(chunk.start, chunk.start + chunk.length)]
 
 

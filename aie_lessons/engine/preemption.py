@@ -4,6 +4,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from typing import TYPE_CHECKING
 
 from aie_lessons.engine.request import Request, RequestStatus
