@@ -194,10 +194,10 @@ def _run_engine(args: argparse.Namespace, model: LlamaModel, tokenizer: Tokenize
     import time
 
     from aie_lessons.engine.engine import Engine
+    from aie_lessons.engine.paged_cache import slot_pool_bytes
     from aie_lessons.engine.paged_engine import paged_engine
     from aie_lessons.engine.request import RequestStatus
     from aie_lessons.generate import PromptError
-    from aie_lessons.engine.paged_cache import block_bytes
 
     count = len(prompts)
     context = model.config.max_position_embeddings
@@ -209,8 +209,8 @@ def _run_engine(args: argparse.Namespace, model: LlamaModel, tokenizer: Tokenize
         engine = Engine.from_model(model, tokenizer, max_seqs=max_seqs, token_budget=args.token_budget,
                                    max_len=max_len)
         memory = f"{max_seqs} KV slots of {max_len} tokens"
-    else:  # the bytes of those slots, rounded up to whole blocks: requests hold only what they have used
-        kv_bytes = max_seqs * -(-max_len // BLOCK_SIZE) * block_bytes(model.config, BLOCK_SIZE, model.embed_tokens.weight.dtype)
+    else:  # the bytes of those slots, in blocks: requests hold only what they have used so far
+        kv_bytes = slot_pool_bytes(model.config, max_seqs, max_len, BLOCK_SIZE, model.embed_tokens.weight.dtype)
         engine = paged_engine(model, tokenizer, max_seqs=max_seqs, token_budget=args.token_budget,
                               kv_bytes=kv_bytes, block_size=BLOCK_SIZE)
         allocator = engine.runner.allocator

@@ -402,7 +402,8 @@ class Scheduler:
 
     It changes requests only by moving them between queues (their ``status``) and stamping the
     clock on them; how far a request is (``num_computed``) is the engine's to advance, once the
-    model has really run its chunk.
+    model has really run its chunk. (Stage 07's scheduler also sets it where the KV memory decides
+    it: back to 0 when a request is preempted, to the prefix-cache hits when one is admitted.)
     """
 
     def __init__(self, config: SchedulerConfig, allocator: KVAllocator, clock: Callable[[], float]):
@@ -1182,6 +1183,11 @@ class Arrival:
     priority: float = 0.0
     prompt: tuple[int, ...] | None = None  # the prompt's tokens; by default prompt_len ones
 
+    def __post_init__(self) -> None:
+        if self.prompt is not None and len(self.prompt) != self.prompt_len:
+            raise ValueError(f"Arrival: prompt has {len(self.prompt)} tokens but prompt_len={self.prompt_len}. "
+                             "Fix: make them agree (or give only prompt_len)")
+
 
 def simulate(arrivals: list[Arrival], config: SchedulerConfig, cost: StepCost = StepCost(),
              max_len: int = 4096, aborts: dict[int, list[str]] | None = None,
@@ -1195,7 +1201,8 @@ def simulate(arrivals: list[Arrival], config: SchedulerConfig, cost: StepCost = 
     """
     clock = SimClock()
     runner = ScriptedRunner(clock, cost, config.max_seqs, max_len)
-    runner.allocator = allocator or runner.allocator
+    if allocator is not None:
+        runner.allocator = allocator
     engine = Engine(runner, ScriptTokenizer(), {0}, config, clock, scheduler_class)
     order = sorted(range(len(arrivals)), key=lambda i: arrivals[i].time)
     aborts = aborts or {}
@@ -1204,7 +1211,8 @@ def simulate(arrivals: list[Arrival], config: SchedulerConfig, cost: StepCost = 
         while order and arrivals[order[0]].time <= clock.now:
             i = order.pop(0)
             a = arrivals[i]
-            engine.add_request(list(a.prompt or [1] * a.prompt_len), SamplingParams(max_new_tokens=a.output_len, ignore_eos=True),
+            prompt = list(a.prompt) if a.prompt is not None else [1] * a.prompt_len
+            engine.add_request(prompt, SamplingParams(max_new_tokens=a.output_len, ignore_eos=True),
                                priority=a.priority, request_id=f"r{i}")
         for request_id in aborts.get(step, []):
             engine.abort(request_id)

@@ -636,7 +636,13 @@ plt.show()
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
+
+
+def blocks_for(num_tokens: int, block_size: int) -> int:
+    """Blocks that ``num_tokens`` tokens occupy: the last one may be partly filled."""
+    return -(-num_tokens // block_size)
 
 
 class BlockManager:
@@ -645,8 +651,9 @@ class BlockManager:
 
     A block is *used* (reference count ≥ 1), *cached* (count 0, a full block a later prompt may
     reuse) or *free*. Cached and free blocks wait in one queue, least recently released first, so
-    taking its head evicts the coldest cached block. Admission keeps ``watermark`` of the blocks
-    free, so that running requests can grow a while before anyone must be preempted.
+    taking its head evicts the coldest cached block. While anything runs, admission keeps
+    ``watermark`` of the blocks free, so that running requests can grow a while before anyone must
+    be preempted.
     """
 
     def __init__(self, num_blocks: int, block_size: int = 16, prefix_caching: bool = False,
@@ -661,7 +668,7 @@ class BlockManager:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.prefix_caching = prefix_caching
-        self.watermark_blocks = int(watermark * num_blocks)  # none in a pool of under 100 blocks
+        self.watermark_blocks = math.ceil(watermark * num_blocks)
         self.ref_counts = [0] * num_blocks
         self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.tables: dict[str, list[int]] = {}
@@ -671,10 +678,12 @@ class BlockManager:
         self.hash_of_block: dict[int, int] = {}
         self.hashed: dict[str, tuple[int, int | None]] = {}  # request → (blocks registered, last hash)
         self.cached_tokens: dict[str, int] = {}  # request → prompt tokens found in the cache
-        self.hit_tokens = 0  # tokens that prefix-cache hits saved from prefill, over the pool's life
+        # Tokens that prefix-cache hits saved from prefill over the pool's life: shared prompts, and
+        # also a resumed request finding its own blocks again.
+        self.hit_tokens = 0
 
     def blocks_for(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
+        return blocks_for(num_tokens, self.block_size)
 
     def take_block(self) -> int:
         """The head of the free queue (the least recently released block), forgetting what it cached."""
@@ -734,18 +743,20 @@ class PagedAllocator(BlockManager):
     """The ``KVAllocator`` protocol over a ``BlockManager``: a request's handle is its block table."""
 
     def check_fits(self, prompt_len: int, max_new_tokens: int) -> None:
+        """Refuse, with the numbers, a request that even the whole pool could not hold."""
         total = prompt_len + max_new_tokens
-        usable = self.num_blocks - self.watermark_blocks
-        if self.blocks_for(total) > usable:
+        if self.blocks_for(total) > self.num_blocks:
             raise PromptError(
                 f"prompt of {prompt_len} tokens + max_new_tokens {max_new_tokens} = {total} tokens need "
-                f"{self.blocks_for(total)} KV blocks of {self.block_size}, but the pool has {usable} for "
-                f"one request ({self.num_blocks} blocks, {self.watermark_blocks} kept free). Fix: a larger "
-                "KV memory budget (kv_bytes), a shorter prompt, or a lower max_new_tokens")
+                f"{self.blocks_for(total)} KV blocks of {self.block_size}, but the whole pool has "
+                f"{self.num_blocks}. Fix: a larger KV memory budget (kv_bytes), a shorter prompt, or a "
+                "lower max_new_tokens")
 
     def cache_hits(self, tokens: list[int]) -> list[int]:
         """The cached blocks that hold ``tokens``' leading full blocks, each verified token by token.
-        The last token is always left to compute: its output is the logits of the next one."""
+        The block holding the last token is always left to compute: that token's output is the next
+        token's logits, and writing it into a shared block would change the block for its other
+        holders (reusing all but that one token would need copy-on-write)."""
         hits: list[int] = []
         if not self.prefix_caching:
             return hits
@@ -781,7 +792,8 @@ class PagedAllocator(BlockManager):
         hits = self.cache_hits(request.token_ids(0, request.num_tokens))
         idle_hits = sum(1 for b in hits if self.ref_counts[b] == 0)  # in the free queue: not for others
         need = self.blocks_for(request.num_tokens) - len(hits)
-        return need + self.watermark_blocks <= len(self.free_queue) - idle_hits
+        reserve = self.watermark_blocks if self.tables else 0  # an idle pool takes anything that fits
+        return need + reserve <= len(self.free_queue) - idle_hits
 
     def allocate(self, request: Request) -> list[int]:
         if request.id in self.tables:
@@ -852,6 +864,12 @@ import torch
 def block_bytes(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
     """Bytes of one block: keys and values of ``block_size`` tokens in every layer."""
     return kv_cache_bytes(config, block_size, 1, dtype)
+
+
+def slot_pool_bytes(config: ModelConfig, slots: int, max_len: int, block_size: int, dtype: torch.dtype) -> int:
+    """The memory of ``slots`` stage-06 slots of ``max_len`` tokens, rounded up to whole blocks: a
+    paged pool as large as a slot cache, in which any request that fitted a slot fits."""
+    return slots * blocks_for(max_len, block_size) * block_bytes(config, block_size, dtype)
 
 
 def blocks_for_budget(config: ModelConfig, kv_bytes: int, block_size: int, dtype: torch.dtype) -> int:
@@ -946,7 +964,12 @@ def prepare_paged_batch(schedule: Schedule, attention: str, decode: str, block_s
         positions += chunk_positions
         slots += chunk_slots(chunk, block_size)
         end = chunk.start + chunk.length
-        table = chunk.kv[:-(-end // block_size)]  # the blocks up to the chunk's last token
+        blocks = blocks_for(end, block_size)
+        if len(chunk.kv) < blocks:
+            raise RuntimeError(f"request {chunk.request.id!r} runs tokens up to {end} but its block table "
+                               f"holds {len(chunk.kv)} blocks of {block_size}: every running request must be "
+                               "grown before its chunk is scheduled (make_room, exercise 7.5)")
+        table = chunk.kv[:blocks]  # the blocks up to the chunk's last token
         if chunk.length == 1:
             decode_rows.append(offset)
             decode_tables.append(table)
@@ -1084,7 +1107,7 @@ def paged_decode_attention_torch(q: torch.Tensor, keys: torch.Tensor, values: to
     l = torch.zeros_like(m)
     acc = torch.zeros_like(q_groups)
     offsets = torch.arange(block_size, device=q.device)
-    for j in range(-(-longest // block_size)):
+    for j in range(blocks_for(longest, block_size)):
         blocks = block_tables[:, j]  # (B,): padded entries point at some block; the mask hides it
         valid = (j * block_size + offsets)[None, :] < seq_lens[:, None]  # (B, block_size)
         k = keys[blocks].float().permute(0, 2, 3, 1)  # (B, Hkv, D, block_size)
@@ -1308,7 +1331,9 @@ class PagedModelRunner(ModelRunner):
 # it*, chained through its parent's key, `h_i = hash((h_{i−1}, tokens of block i))`. Two blocks
 # with equal tokens at different places, or after different prefixes, get different keys. A block
 # is entered in the cache once the model has computed it; a partial last block is never entered
-# (its contents change as the request grows). A hit is verified token by token before it is used.
+# (its contents change as the request grows). A hit is verified token by token before it is used,
+# and the block holding a prompt's last token is always computed, even when the cache has it: that
+# token's output is the first new token's logits.
 # When its last table lets it go, a cached block joins the free queue's tail *still cached*: it
 # is evicted only when the queue's head reaches it — least recently used first.
 #
@@ -1355,10 +1380,13 @@ checks.stage07.check_block_hashes(block_hashes)
 # * every running request that needs a block for its next token gets one, **the most urgent
 #   first** (effective priority, exercise 6.1);
 # * when none is free, the **victim** is the running request with the *lowest* effective
-#   priority, and among equals the *latest* arrival (the one that has the least invested); if the
+#   priority, and among equals the *latest* arrival (first come, first served, in reverse); if the
 #   victim is the very request that needed the block, it just stops there;
 # * while any preempted request waits, **no new request is admitted**: preempted requests resume
 #   first, most urgent first, as soon as their blocks fit.
+#
+# To make preemption rarer, admission keeps a **watermark** — 1% of the blocks — free while anything
+# runs: running requests can then grow for a while before the pool is empty.
 #
 # ### Exercise 7.5 — make room
 #
@@ -1378,11 +1406,16 @@ from __future__ import annotations
 from collections.abc import Callable
 
 
+def most_urgent_first(now: float, aging_rate: float) -> Callable[[Request], tuple[float, int]]:
+    """A sort key: the highest effective priority first, then the earliest arrival."""
+    return lambda r: (-effective_priority(r, now, aging_rate), r.seq)
+
+
 def make_room(scheduler: PagedScheduler, now: float) -> list[Request]:
     """Give each running request the blocks for all its tokens; preempt victims when none are left."""
     rate = scheduler.config.aging_rate
     preempted: list[Request] = []
-    for request in sorted(scheduler.running, key=lambda r: (-effective_priority(r, now, rate), r.seq)):
+    for request in sorted(scheduler.running, key=most_urgent_first(now, rate)):
         # BEGIN EXERCISE 7.5: grow the request; while it cannot, preempt the running request with the lowest effective priority (then the latest arrival)
         # Hint 1: A request preempted earlier in this loop has nothing to grow. The victim is the running request with the least claim to the memory: lowest effective priority, and among equals the one that arrived last; if that is the request itself, it gives way and stops.
         # Hint 2: Skip the request unless its status is RUNNING. While not can_grow: victim = min over scheduler.running by (effective_priority(r, now, rate), -r.seq); preempt it through the scheduler; record it; break if it was the request itself. If it is still running, grow it.
@@ -1419,7 +1452,9 @@ class PagedScheduler(Scheduler):
 
     def __init__(self, config: SchedulerConfig, allocator: PagedAllocator, clock: Callable[[], float]):
         super().__init__(config, allocator, clock)
-        self.preempted: list[Request] = []  # also in `waiting`: preempted requests wait like new ones
+        # Preempted requests wait in `waiting` like new ones; this list of them (kept in step by
+        # preempt, resume and finish) makes may_admit O(1) instead of a scan of `waiting` per step.
+        self.preempted: list[Request] = []
         self.num_preemptions = 0
 
     def may_admit(self) -> bool:
@@ -1451,8 +1486,7 @@ class PagedScheduler(Scheduler):
     def resume(self, now: float) -> list[Request]:
         """Preempted requests back to running, most urgent first, while their blocks fit."""
         resumed = []
-        rate = self.config.aging_rate
-        for request in sorted(self.preempted, key=lambda r: (-effective_priority(r, now, rate), r.seq)):
+        for request in sorted(self.preempted, key=most_urgent_first(now, self.config.aging_rate)):
             if len(self.running) >= self.config.max_seqs or not self.allocator.can_allocate(request):
                 break  # no overtaking: the next one waits for the same memory
             self.preempted.remove(request)
@@ -1474,9 +1508,9 @@ class PagedScheduler(Scheduler):
 
 # %% [markdown]
 # `paged_engine` builds the whole thing from a model: stage 06's `Engine` over this runner and
-# scheduler. By default its pool gets the bytes that stage 06's slots would take for `max_seqs`
-# requests of `max_len` tokens, and it may run more requests than that at once (`max_seqs` here
-# is only an upper bound: memory decides).
+# scheduler. By default its pool gets the bytes of stage 06's default engine (16 slots of 1024
+# tokens), and it may run more requests than that at once: `max_seqs` here is only an upper bound,
+# memory decides.
 
 # %%
 # export: engine.paged_engine
@@ -1497,9 +1531,9 @@ def paged_engine(model: LlamaModel, tokenizer: Tokenizer, max_seqs: int = 64, to
     """Continuous batching over blocks. ``kv_bytes``: the pool's memory (default: what 16 slots of
     1024 tokens take, stage 06's default engine); ``max_seqs``: the most requests running at once."""
     dtype = kv_dtype or model.embed_tokens.weight.dtype
-    kv_bytes = kv_cache_bytes(model.config, 1024, 16, dtype) if kv_bytes is None else kv_bytes
+    kv_bytes = slot_pool_bytes(model.config, 16, 1024, block_size, dtype) if kv_bytes is None else kv_bytes
     num_blocks = blocks_for_budget(model.config, kv_bytes, block_size, dtype)
-    runner = PagedModelRunner(model, num_blocks, block_size, attention, kv_dtype, prefix_caching, decode)
+    runner = PagedModelRunner(model, num_blocks, block_size, attention, dtype, prefix_caching, decode)
     config = SchedulerConfig(max_seqs, token_budget, aging_rate)
     return Engine(runner, tokenizer, stop_token_ids(model.config, tokenizer), config, clock, PagedScheduler)
 

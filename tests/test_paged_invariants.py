@@ -163,10 +163,16 @@ def check_blocks(allocator: PagedAllocator) -> None:
     assert all(refs[block] == 0 for block in queue), "a block in the free queue is still referenced"
     unreferenced = {block for block in range(allocator.num_blocks) if refs[block] == 0}
     assert unreferenced == set(queue), f"blocks {sorted(unreferenced - set(queue))} leaked: no table, not free"
-    hashed_idle = sum(1 for block in allocator.hash_of_block if refs[block] == 0)
-    assert allocator.cached == hashed_idle
-    assert allocator.used == allocator.num_blocks - len(unreferenced)
-    assert allocator.free_blocks + allocator.used + allocator.cached == allocator.num_blocks
+    # The three states, each from its own definition: disjoint, covering the pool, and what the
+    # allocator's counters say (free + used + cached = total).
+    used = {block for block in range(allocator.num_blocks) if refs[block] > 0}
+    cached = {block for block in queue if block in allocator.hash_of_block}
+    free = {block for block in queue if block not in allocator.hash_of_block}
+    assert not (used & cached or used & free or cached & free), "a block is in two states at once"
+    assert used | cached | free == set(range(allocator.num_blocks)), "a block is in no state"
+    assert (allocator.used, allocator.cached, allocator.free_blocks) == (len(used), len(cached), len(free)), (
+        f"counters used/cached/free {allocator.used}/{allocator.cached}/{allocator.free_blocks}, "
+        f"counted {len(used)}/{len(cached)}/{len(free)}")
     # The prefix cache: both maps agree, and each key is the hash of the tokens it stands for.
     assert len(allocator.block_of_hash) == len(allocator.hash_of_block) == len(allocator.key_of_block)
     for key, block in allocator.block_of_hash.items():

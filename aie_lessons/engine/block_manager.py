@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 
 from typing import TYPE_CHECKING
@@ -14,14 +15,20 @@ if TYPE_CHECKING:
     from aie_lessons.engine.request import Request
 
 
+def blocks_for(num_tokens: int, block_size: int) -> int:
+    """Blocks that ``num_tokens`` tokens occupy: the last one may be partly filled."""
+    return -(-num_tokens // block_size)
+
+
 class BlockManager:
     """Hands out blocks of ``block_size`` tokens' keys and values; the scheduler's ``KVAllocator``
     in stage 07.
 
     A block is *used* (reference count ≥ 1), *cached* (count 0, a full block a later prompt may
     reuse) or *free*. Cached and free blocks wait in one queue, least recently released first, so
-    taking its head evicts the coldest cached block. Admission keeps ``watermark`` of the blocks
-    free, so that running requests can grow a while before anyone must be preempted.
+    taking its head evicts the coldest cached block. While anything runs, admission keeps
+    ``watermark`` of the blocks free, so that running requests can grow a while before anyone must
+    be preempted.
     """
 
     def __init__(self, num_blocks: int, block_size: int = 16, prefix_caching: bool = False,
@@ -36,7 +43,7 @@ class BlockManager:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.prefix_caching = prefix_caching
-        self.watermark_blocks = int(watermark * num_blocks)  # none in a pool of under 100 blocks
+        self.watermark_blocks = math.ceil(watermark * num_blocks)
         self.ref_counts = [0] * num_blocks
         self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.tables: dict[str, list[int]] = {}
@@ -46,10 +53,12 @@ class BlockManager:
         self.hash_of_block: dict[int, int] = {}
         self.hashed: dict[str, tuple[int, int | None]] = {}  # request → (blocks registered, last hash)
         self.cached_tokens: dict[str, int] = {}  # request → prompt tokens found in the cache
-        self.hit_tokens = 0  # tokens that prefix-cache hits saved from prefill, over the pool's life
+        # Tokens that prefix-cache hits saved from prefill over the pool's life: shared prompts, and
+        # also a resumed request finding its own blocks again.
+        self.hit_tokens = 0
 
     def blocks_for(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
+        return blocks_for(num_tokens, self.block_size)
 
     def take_block(self) -> int:
         """The head of the free queue (the least recently released block), forgetting what it cached."""
@@ -92,18 +101,20 @@ class PagedAllocator(BlockManager):
     """The ``KVAllocator`` protocol over a ``BlockManager``: a request's handle is its block table."""
 
     def check_fits(self, prompt_len: int, max_new_tokens: int) -> None:
+        """Refuse, with the numbers, a request that even the whole pool could not hold."""
         total = prompt_len + max_new_tokens
-        usable = self.num_blocks - self.watermark_blocks
-        if self.blocks_for(total) > usable:
+        if self.blocks_for(total) > self.num_blocks:
             raise PromptError(
                 f"prompt of {prompt_len} tokens + max_new_tokens {max_new_tokens} = {total} tokens need "
-                f"{self.blocks_for(total)} KV blocks of {self.block_size}, but the pool has {usable} for "
-                f"one request ({self.num_blocks} blocks, {self.watermark_blocks} kept free). Fix: a larger "
-                "KV memory budget (kv_bytes), a shorter prompt, or a lower max_new_tokens")
+                f"{self.blocks_for(total)} KV blocks of {self.block_size}, but the whole pool has "
+                f"{self.num_blocks}. Fix: a larger KV memory budget (kv_bytes), a shorter prompt, or a "
+                "lower max_new_tokens")
 
     def cache_hits(self, tokens: list[int]) -> list[int]:
         """The cached blocks that hold ``tokens``' leading full blocks, each verified token by token.
-        The last token is always left to compute: its output is the logits of the next one."""
+        The block holding the last token is always left to compute: that token's output is the next
+        token's logits, and writing it into a shared block would change the block for its other
+        holders (reusing all but that one token would need copy-on-write)."""
         hits: list[int] = []
         if not self.prefix_caching:
             return hits
@@ -139,7 +150,8 @@ class PagedAllocator(BlockManager):
         hits = self.cache_hits(request.token_ids(0, request.num_tokens))
         idle_hits = sum(1 for b in hits if self.ref_counts[b] == 0)  # in the free queue: not for others
         need = self.blocks_for(request.num_tokens) - len(hits)
-        return need + self.watermark_blocks <= len(self.free_queue) - idle_hits
+        reserve = self.watermark_blocks if self.tables else 0  # an idle pool takes anything that fits
+        return need + reserve <= len(self.free_queue) - idle_hits
 
     def allocate(self, request: Request) -> list[int]:
         if request.id in self.tables:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from aie_lessons.engine.block_manager import blocks_for
 from aie_lessons.flash_attention import HAS_TRITON, interpreted, online_softmax_update
 
 # Stage 05's module, imported above, picked the Triton interpreter when there is no GPU (it must
@@ -102,7 +103,7 @@ def paged_decode_attention_torch(q: torch.Tensor, keys: torch.Tensor, values: to
     l = torch.zeros_like(m)
     acc = torch.zeros_like(q_groups)
     offsets = torch.arange(block_size, device=q.device)
-    for j in range(-(-longest // block_size)):
+    for j in range(blocks_for(longest, block_size)):
         blocks = block_tables[:, j]  # (B,): padded entries point at some block; the mask hides it
         valid = (j * block_size + offsets)[None, :] < seq_lens[:, None]  # (B, block_size)
         k = keys[blocks].float().permute(0, 2, 3, 1)  # (B, Hkv, D, block_size)

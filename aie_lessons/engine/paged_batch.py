@@ -11,6 +11,7 @@ import torch
 from typing import TYPE_CHECKING
 
 from aie_lessons.engine.batch import chunk_inputs
+from aie_lessons.engine.block_manager import blocks_for
 from aie_lessons.masks import causal_mask
 
 if TYPE_CHECKING:
@@ -51,7 +52,12 @@ def prepare_paged_batch(schedule: Schedule, attention: str, decode: str, block_s
         positions += chunk_positions
         slots += chunk_slots(chunk, block_size)
         end = chunk.start + chunk.length
-        table = chunk.kv[:-(-end // block_size)]  # the blocks up to the chunk's last token
+        blocks = blocks_for(end, block_size)
+        if len(chunk.kv) < blocks:
+            raise RuntimeError(f"request {chunk.request.id!r} runs tokens up to {end} but its block table "
+                               f"holds {len(chunk.kv)} blocks of {block_size}: every running request must be "
+                               "grown before its chunk is scheduled (make_room, exercise 7.5)")
+        table = chunk.kv[:blocks]  # the blocks up to the chunk's last token
         if chunk.length == 1:
             decode_rows.append(offset)
             decode_tables.append(table)

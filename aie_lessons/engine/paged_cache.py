@@ -8,6 +8,7 @@ import torch
 
 from typing import TYPE_CHECKING
 
+from aie_lessons.engine.block_manager import blocks_for
 from aie_lessons.kv_cache import kv_cache_bytes
 
 if TYPE_CHECKING:
@@ -17,6 +18,12 @@ if TYPE_CHECKING:
 def block_bytes(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
     """Bytes of one block: keys and values of ``block_size`` tokens in every layer."""
     return kv_cache_bytes(config, block_size, 1, dtype)
+
+
+def slot_pool_bytes(config: ModelConfig, slots: int, max_len: int, block_size: int, dtype: torch.dtype) -> int:
+    """The memory of ``slots`` stage-06 slots of ``max_len`` tokens, rounded up to whole blocks: a
+    paged pool as large as a slot cache, in which any request that fitted a slot fits."""
+    return slots * blocks_for(max_len, block_size) * block_bytes(config, block_size, dtype)
 
 
 def blocks_for_budget(config: ModelConfig, kv_bytes: int, block_size: int, dtype: torch.dtype) -> int:

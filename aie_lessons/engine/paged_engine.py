@@ -12,11 +12,10 @@ import torch
 from typing import TYPE_CHECKING
 
 from aie_lessons.engine.engine import Engine
-from aie_lessons.engine.paged_cache import blocks_for_budget
+from aie_lessons.engine.paged_cache import blocks_for_budget, slot_pool_bytes
 from aie_lessons.engine.paged_runner import PagedModelRunner
 from aie_lessons.engine.preemption import PagedScheduler
 from aie_lessons.engine.scheduler import SchedulerConfig
-from aie_lessons.kv_cache import kv_cache_bytes
 from aie_lessons.output import stop_token_ids
 
 if TYPE_CHECKING:
@@ -31,8 +30,8 @@ def paged_engine(model: LlamaModel, tokenizer: Tokenizer, max_seqs: int = 64, to
     """Continuous batching over blocks. ``kv_bytes``: the pool's memory (default: what 16 slots of
     1024 tokens take, stage 06's default engine); ``max_seqs``: the most requests running at once."""
     dtype = kv_dtype or model.embed_tokens.weight.dtype
-    kv_bytes = kv_cache_bytes(model.config, 1024, 16, dtype) if kv_bytes is None else kv_bytes
+    kv_bytes = slot_pool_bytes(model.config, 16, 1024, block_size, dtype) if kv_bytes is None else kv_bytes
     num_blocks = blocks_for_budget(model.config, kv_bytes, block_size, dtype)
-    runner = PagedModelRunner(model, num_blocks, block_size, attention, kv_dtype, prefix_caching, decode)
+    runner = PagedModelRunner(model, num_blocks, block_size, attention, dtype, prefix_caching, decode)
     config = SchedulerConfig(max_seqs, token_budget, aging_rate)
     return Engine(runner, tokenizer, stop_token_ids(model.config, tokenizer), config, clock, PagedScheduler)

@@ -15,11 +15,16 @@ if TYPE_CHECKING:
     from aie_lessons.engine.block_manager import PagedAllocator
 
 
+def most_urgent_first(now: float, aging_rate: float) -> Callable[[Request], tuple[float, int]]:
+    """A sort key: the highest effective priority first, then the earliest arrival."""
+    return lambda r: (-effective_priority(r, now, aging_rate), r.seq)
+
+
 def make_room(scheduler: PagedScheduler, now: float) -> list[Request]:
     """Give each running request the blocks for all its tokens; preempt victims when none are left."""
     rate = scheduler.config.aging_rate
     preempted: list[Request] = []
-    for request in sorted(scheduler.running, key=lambda r: (-effective_priority(r, now, rate), r.seq)):
+    for request in sorted(scheduler.running, key=most_urgent_first(now, rate)):
         if request.status is not RequestStatus.RUNNING:
             continue
         while not scheduler.allocator.can_grow(request.id, request.num_tokens):
@@ -40,7 +45,9 @@ class PagedScheduler(Scheduler):
 
     def __init__(self, config: SchedulerConfig, allocator: PagedAllocator, clock: Callable[[], float]):
         super().__init__(config, allocator, clock)
-        self.preempted: list[Request] = []  # also in `waiting`: preempted requests wait like new ones
+        # Preempted requests wait in `waiting` like new ones; this list of them (kept in step by
+        # preempt, resume and finish) makes may_admit O(1) instead of a scan of `waiting` per step.
+        self.preempted: list[Request] = []
         self.num_preemptions = 0
 
     def may_admit(self) -> bool:
@@ -72,8 +79,7 @@ class PagedScheduler(Scheduler):
     def resume(self, now: float) -> list[Request]:
         """Preempted requests back to running, most urgent first, while their blocks fit."""
         resumed = []
-        rate = self.config.aging_rate
-        for request in sorted(self.preempted, key=lambda r: (-effective_priority(r, now, rate), r.seq)):
+        for request in sorted(self.preempted, key=most_urgent_first(now, self.config.aging_rate)):
             if len(self.running) >= self.config.max_seqs or not self.allocator.can_allocate(request):
                 break  # no overtaking: the next one waits for the same memory
             self.preempted.remove(request)

@@ -106,7 +106,8 @@ class Scheduler:
 
     It changes requests only by moving them between queues (their ``status``) and stamping the
     clock on them; how far a request is (``num_computed``) is the engine's to advance, once the
-    model has really run its chunk.
+    model has really run its chunk. (Stage 07's scheduler also sets it where the KV memory decides
+    it: back to 0 when a request is preempted, to the prefix-cache hits when one is admitted.)
     """
 
     def __init__(self, config: SchedulerConfig, allocator: KVAllocator, clock: Callable[[], float]):
