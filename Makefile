@@ -48,7 +48,7 @@ notebooks: venv model
 bench: venv model
 	$(PY) benchmarks/decode.py
 
-## bench-throughput: continuous vs static batching vs transformers on a mixed workload (ratios, one run)
+## bench-throughput: continuous vs static batching vs transformers, paged KV vs slots, prefix caching (ratios, one run)
 bench-throughput: venv model
 	$(PY) benchmarks/throughput.py
 

@@ -56,6 +56,7 @@ import random
 import time
 from collections import OrderedDict
 from collections.abc import Callable
+from types import SimpleNamespace
 
 import matplotlib.pyplot as plt
 import torch
@@ -523,8 +524,9 @@ def simulate_trace(space: KVSpace, trace: list[TraceEvent]) -> TraceStats:
 
 # %% [markdown]
 # Each token a request holds costs 2 (keys and values) × layers × KV heads × head dimension × 4
-# bytes in fp32 (stage 04's `kv_cache_bytes` of the model's config). The arena holds a fixed number of tokens of it,
-# and the blocks are 16 tokens. Every space replays the same trace.
+# bytes in fp32 (stage 04's `kv_cache_bytes` of the model's config). The arena holds
+# `ARENA_TOKENS` tokens' worth of it, and the blocks are 16 tokens. Every space replays the same
+# trace.
 
 # %%
 BYTES_PER_TOKEN = kv_cache_bytes(model.config, 1, 1, torch.float32)  # 2 × layers × kv heads × head dim × 4
@@ -551,12 +553,16 @@ print(f"compaction ran {compacting.compactions} times and copied {compacting.byt
       f"blocks wasted at most {max(w / u for w, u in zip(block_run.wasted_bytes, block_used) if u):.1%} of the used memory")
 
 fig, (top, bottom) = plt.subplots(2, 1, sharex=True, figsize=(8, 6))
-for (name, stats), color in zip(kv_runs.items(), ("tab:blue", "tab:orange", "tab:green", "tab:red")):
-    if "compaction" in name:  # its fragmentation is first fit's until it compacts; its point is zero failures
-        bottom.plot(stats.steps, stats.failed, label=name, color=color, linestyle="--")
-        continue
-    top.plot(stats.steps, stats.fragmentation, label=name, color=color, linewidth=0.8)
-    bottom.plot(stats.steps, stats.failed, label=name, color=color)
+styles = {"first fit": ("tab:blue", "-", 1), "best fit": ("tab:orange", "-", 1),
+          f"blocks of {BLOCK_TOKENS} tokens": ("tab:red", "-", 3), "first fit + compaction": ("tab:green", "--", 1.5)}
+for name, (color, line, width) in styles.items():  # the two that stay at 0: the wide line, then dashes on it
+    stats = kv_runs[name]
+    zero = " (0 throughout)" if stats.failed[-1] == 0 else ""
+    bottom.plot(stats.steps, stats.failed, label=name + zero, color=color, linestyle=line, linewidth=width,
+                alpha=0.6 if width > 1 else 1)
+    if "compaction" not in name:  # its fragmentation is first fit's until it compacts; its point is zero failures
+        blocks = " (no holes: 0 by construction)" if name.startswith("blocks") else ""
+        top.plot(stats.steps, stats.fragmentation, label=name + blocks, color=color, linewidth=0.8)
 top.set_ylabel("fragmentation\n1 − largest hole / free")
 top.set_title("the same KV trace over a contiguous pool and over blocks")
 top.legend(loc="upper left")
@@ -576,8 +582,8 @@ plt.show()
 #
 # Compaction removes those refusals, at a price: it ran 19 times and copied 10.5 GiB of keys and
 # values — copies during which every request waits, after which every pointer into the cache
-# must be rewritten. Blocks get the same result without moving anything: no request was refused
-# while enough memory was free, and the block pool served 586 requests to first fit's 578 (compacting
+# must be rewritten. Blocks too refuse nobody while enough memory is free, without moving anything,
+# and the block pool served 586 requests to first fit's 578 (compacting
 # first fit, whose reservations waste nothing, 589). What
 # blocks cost is the unfilled tail of each request's last block, at most 3.5% of the used memory
 # here. The out-of-memory refusals that remain are real: the memory was full.
@@ -595,8 +601,8 @@ plt.show()
 # Cut the KV memory into **blocks** of `block_size` tokens (16 here). A request holds a *list* of
 # blocks — its **block table** — and asks for one more block only when its last one is full. Any
 # free block will do, so there is no external fragmentation at all: the only waste is the unused
-# tail of each request's last block, fewer than 16 tokens. The price is one indirection: token
-# `p` of a request lives in block `table[p // 16]`, at offset `p % 16`.
+# tail of each request's last block, fewer than 16 tokens. The price is one indirection: to find
+# a token, first find its block in the table, then its place inside that block.
 #
 # ```
 #  request A: table [7, 2, 9]     pool: ┌──┬──┬──┬──┬──┬──┬──┬──┬──┬──┐
@@ -604,8 +610,8 @@ plt.show()
 #                                       └──┴──┴──┴──┴──┴──┴──┴──┴──┴──┘
 # ```
 #
-# The `BlockManager` is the pure-Python bookkeeping behind it, the stage 07 `KVAllocator` of
-# stage 06's scheduler. Every block is in exactly one state:
+# The `BlockManager` is the pure-Python bookkeeping behind it (under `PagedAllocator`, below: stage
+# 06's `KVAllocator` for blocks). Every block is in exactly one state:
 #
 # * **used** — its **reference count** is ≥ 1: that many block tables hold it. Section 4 lets two
 #   requests share one block, so a count, not a flag;
@@ -620,15 +626,13 @@ plt.show()
 # ### Exercise 7.2 — grow and shrink a block table
 #
 # One method does all three moves of a table: `resize(table, num_tokens)` makes `table` hold
-# exactly the blocks that `num_tokens` tokens need (`ceil(num_tokens / block_size)`). Allocating
-# a request is a resize from an empty table, appending a token that starts a new block is a resize
-# by one, and freeing a request is a resize to 0 tokens.
+# exactly the blocks that `num_tokens` tokens need, changing the list **in place** (the caller
+# keeps it). Allocating a request is a resize from an empty table, appending a token that starts a
+# new block is a resize by one, and freeing a request is a resize to 0 tokens.
 #
-# * growing: take each new block with `self.take_block()` (the head of the free queue), set its
-#   reference count to 1, append it;
-# * shrinking: remove blocks **from the end** of the table; drop each one's reference count, and
-#   give the block back (`release_block`) only when its count reaches 0 — a block another
-#   table still holds must stay where it is.
+# New blocks come from the head of the free queue (`take_block`); blocks leave from the **end** of
+# the table; the reference counts must say, at every moment, how many tables hold each block; and
+# a block goes back to the queue (`release_block`) only when no table holds it any more.
 
 # %%
 # export: engine.block_manager
@@ -731,11 +735,13 @@ class BlockManager:
 checks.stage07.check_resize(BlockManager)
 
 # %% [markdown]
-# The rest of the `BlockManager` is the scheduler's `KVAllocator` protocol around `resize`, plus
-# `can_grow` / `grow`, which stage 06's slots never needed: a slot held its request's whole
-# length from the start, a block table grows one block at a time. A request that could never fit
-# — more blocks than the whole pool, beside the watermark — is refused when it is added, with the
-# numbers.
+# `PagedAllocator` puts the scheduler's `KVAllocator` protocol around `resize`, plus `can_grow` /
+# `grow`, which stage 06's slots never needed: a slot held its request's whole length from the
+# start, a block table grows one block at a time. A request that could never fit, even alone in an
+# empty pool, is refused when it is added, with the numbers. While anything runs, admission also
+# keeps a small **watermark** of blocks free (section 5 says why), and it counts a prefix-cache hit
+# that sits in the free queue as taken: the request will hold that block, so it cannot also be one
+# of its fresh blocks. Skip `cache_hits` and `commit` for now: they are the prefix cache of section 4.
 
 # %%
 # export: engine.block_manager
@@ -844,13 +850,44 @@ class PagedAllocator(BlockManager):
         return len(self.free_queue) - self.cached
 
 # %% [markdown]
+# A small pool at work: 6 blocks of 4 tokens, two requests. Watch the tables grow one block at a
+# time, and the free queue take freed blocks at its tail, the table's last block first.
+
+# %%
+def toy_request(request_id: str, num_tokens: int) -> SimpleNamespace:
+    """Just what the allocator reads of a request."""
+    return SimpleNamespace(id=request_id, num_tokens=num_tokens, token_ids=lambda start, end: list(range(start, end)))
+
+
+toy = PagedAllocator(6, block_size=4)
+
+
+def show(event: str) -> None:
+    tables = ", ".join(f"{rid}: {table}" for rid, table in toy.tables.items())
+    print(f"{event:<28} tables {{{tables}}}  free queue {list(toy.free_queue)}  used {toy.used}")
+
+
+toy.allocate(toy_request("A", 6))
+show("A admitted with 6 tokens")
+toy.allocate(toy_request("B", 3))
+show("B admitted with 3 tokens")
+toy.grow("A", 9)
+show("A grows to 9 tokens")
+toy.free("A")
+show("A finishes")
+toy.grow("B", 5)
+show("B grows to 5 tokens")
+
+# %% [markdown]
 # ## 3. The paged cache, the slot mapping and attention over pages
 #
 # The pool's tensors are sized from a **memory budget in bytes**, not from a batch and a length:
 # one block holds `block_size` tokens × layers × 2 (keys and values) × kv heads × head dim numbers.
 # Each layer's keys are one tensor `(num_blocks, block_size, kv_heads, head_dim)`, so that block
 # `b`, offset `o` is row `b · block_size + o` of the same memory seen as `(num_blocks ·
-# block_size, kv_heads, head_dim)`: one flat **slot** number per token.
+# block_size, kv_heads, head_dim)`: one flat **slot** number per token. (Not stage 06's slot, which
+# was one request's whole row: from here on a slot is one token's place in the pool, and the list
+# of a step's slots is its **slot mapping**.)
 
 # %%
 # export: engine.paged_cache
@@ -917,8 +954,8 @@ import torch
 def chunk_slots(chunk: ScheduledChunk, block_size: int) -> list[int]:
     """The flat cache slot (block · block_size + offset) of each token a chunk runs."""
     # BEGIN EXERCISE 7.3: the slot of each position start … start + length − 1, through the chunk's block table (chunk.kv)
-    # Hint 1: Position p lives in the table's block number p // block_size, at offset p % block_size inside it; blocks are block_size slots apart in the flat view.
-    # Hint 2: For each p in range(chunk.start, chunk.start + chunk.length): table[p // block_size] * block_size + p % block_size.
+    # Hint 1: A position falls in one block_size-token stretch of the request: the table entry for that stretch names the pool block, and what is left over is the place inside it. In the flat view, consecutive blocks are block_size rows apart.
+    # Hint 2: For each position from chunk.start on (chunk.length of them): table entry = integer division by block_size, offset = the remainder; slot = that block's first row (block times block_size) plus the offset.
     return [chunk.kv[p // block_size] * block_size + p % block_size
             for p in range(chunk.start, chunk.start + chunk.length)]
     # END EXERCISE 7.3
@@ -993,17 +1030,17 @@ def prepare_paged_batch(schedule: Schedule, attention: str, decode: str, block_s
 # The attention backend of a paged step stores every new token's keys and values at its slot,
 # then attends. For the decodes there are two ways to read a sequence's blocks:
 #
-# * **gather** (the reference): copy each sequence's blocks out into one dense `(kv_heads, T, D)`
-#   tensor, then call the same attention backend as ever (PyTorch's, or yours from stage 02);
+# * **gather** (the reference, `gather_decode_attention`): copy each sequence's blocks out into one
+#   dense `(kv_heads, T, D)` tensor, then attend as ever — in the engine, with the same attention
+#   backend as before (PyTorch's, or yours from stage 02);
 # * **paged**: read the blocks in place, one block column of the whole batch at a time, with
-#   stage 05's online softmax — no sequence is ever copied whole. On a GPU this is the Triton
-#   kernel `paged_decode_attention_triton`: one program per sequence and kv head walks its table.
-
-# %% [markdown]
-# Here are both readers, and a Triton kernel for the paged one — stage 05's online softmax again,
-# one program per (sequence, kv head), the loop running over the sequence's block table instead of
-# over one contiguous tensor. `gather_decode_attention` is the plain reference all of them are
-# tested against.
+#   stage 05's online softmax — no sequence is ever copied whole (`paged_decode_attention_torch`).
+#   On a GPU this is the Triton kernel `paged_decode_attention_triton`: one program per sequence
+#   and kv head walks its block table, stage 05's inner loop running over blocks instead of over
+#   one contiguous tensor.
+#
+# All three are checked against the gather reference right below; the engine reads in place on a
+# GPU and gathers on a CPU (section 7 measures why).
 
 # %%
 # export: engine.paged_attention
@@ -1219,6 +1256,33 @@ def paged_decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Te
     return fn(q, keys, values, block_tables, seq_lens, scale)
 
 
+# %% [markdown]
+# All three readers against the gather reference on a small random pool: shuffled block tables,
+# sequences that end inside a block, exactly at a block's end, and after one token; every slot
+# that no sequence owns holds NaN, so a reader that looks past a sequence's end shows. Without a
+# GPU the Triton kernel runs in its interpreter (small shapes only: it is slow).
+
+# %%
+torch.manual_seed(0)
+pool_k = torch.full((12, 4, 2, 16), float("nan"))  # 12 blocks of 4 tokens, 2 kv heads, head dim 16
+pool_v = torch.full_like(pool_k, float("nan"))
+lens = torch.tensor([5, 8, 1])
+tables = torch.tensor([[7, 2, 0], [4, 9, 0], [11, 0, 0]])  # padded with block 0, which nobody owns
+for row, length in enumerate(lens.tolist()):
+    for p in range(length):
+        pool_k[tables[row, p // 4], p % 4] = torch.randn(2, 16)
+        pool_v[tables[row, p // 4], p % 4] = torch.randn(2, 16)
+q_small = torch.randn(3, 4, 16)  # 4 query heads share the 2 kv heads
+reference = gather_decode_attention(q_small, pool_k, pool_v, tables, lens, 16 ** -0.5)
+readers = {"paged, PyTorch": paged_decode_attention_torch}
+if HAS_TRITON:
+    readers["paged, Triton" + (" (interpreter)" if interpreted() else "")] = paged_decode_attention_triton
+for name, reader in readers.items():
+    out = reader(q_small, pool_k, pool_v, tables, lens, 16 ** -0.5)
+    print(f"{name}: equal to gather: {torch.allclose(out, reference, atol=1e-5)}")
+    assert torch.allclose(out, reference, atol=1e-5)
+
+
 # %%
 # export: engine.block_attention
 """Attention for a packed step over a paged cache: store each token's k, v at its slot, attend."""
@@ -1296,8 +1360,8 @@ class PagedModelRunner(ModelRunner):
     """The model, its paged cache and block allocator; ``prepare`` then ``run`` make a step's logits.
 
     ``decode``: how the decodes read their blocks — "paged" (in place), "gather" (copied out, then
-    ``attention``), or "auto": paged where it compiles (a GPU), gather on a CPU, where the two run
-    at the same speed and gather goes through your attention backend.
+    ``attention``), or "auto": paged where the Triton kernel compiles (a GPU), gather on a CPU,
+    where the block loop is no faster and gather goes through your attention backend.
     """
 
     step_backend = BLOCKS
@@ -1372,6 +1436,8 @@ checks.stage07.check_block_hashes(block_hashes)
 # dropped (`num_computed = 0`, the tokens it generated kept). When it is admitted again, its
 # prompt and its output so far are recomputed as one long prefill — that is *preemption by
 # recompute*; the alternative, swapping its blocks out to host memory, costs bandwidth instead.
+# The recompute is often short: `preempt` first enters the victim's full blocks into the prefix
+# cache (section 4), so a request resumed soon after finds most of them again.
 # Its random stream stays with the sampler, so even a seeded sampled request gives the same tokens
 # as if nothing had happened.
 #
@@ -1380,22 +1446,29 @@ checks.stage07.check_block_hashes(block_hashes)
 # * every running request that needs a block for its next token gets one, **the most urgent
 #   first** (effective priority, exercise 6.1);
 # * when none is free, the **victim** is the running request with the *lowest* effective
-#   priority, and among equals the *latest* arrival (first come, first served, in reverse); if the
-#   victim is the very request that needed the block, it just stops there;
+#   priority, and among equals the *latest* arrival (it has waited the least); if the victim is
+#   the very request that needed the block, it just stops there;
 # * while any preempted request waits, **no new request is admitted**: preempted requests resume
 #   first, most urgent first, as soon as their blocks fit.
 #
-# To make preemption rarer, admission keeps a **watermark** — 1% of the blocks — free while anything
-# runs: running requests can then grow for a while before the pool is empty.
+# To make preemption rarer, admission keeps a **watermark** — 1% of the blocks, at least one — free
+# while anything runs: running requests can then grow for a while before the pool is empty.
 #
 # ### Exercise 7.5 — make room
 #
 # Complete `make_room(scheduler, now)`. For each running request, most urgent first (the loop is
-# given): skip it if it was preempted earlier in this loop; otherwise, while
-# `scheduler.allocator.can_grow(request.id, request.num_tokens)` is false, choose the victim by
-# the rules above among `scheduler.running` and preempt it with the scheduler's `preempt` — stop
-# if the victim is the request itself. When it can grow, `scheduler.allocator.grow(request.id,
-# request.num_tokens)`. Return the preempted requests, in the order they were preempted.
+# given):
+#
+# * skip it if it was preempted earlier in this loop (its `status` is no longer
+#   `RequestStatus.RUNNING`);
+# * while `scheduler.allocator.can_grow(request.id, request.num_tokens)` is false, choose the
+#   victim by the rules above among all of `scheduler.running` (the request itself included),
+#   preempt it with `scheduler.preempt(...)` — defined below: it frees the victim's blocks, takes it
+#   out of `running`, marks it `PREEMPTED` and queues it — and record it; if the victim was the
+#   request itself, stop trying to grow it;
+# * once it can grow, `scheduler.allocator.grow(request.id, request.num_tokens)`.
+#
+# Return every request you preempted (a request that was its own victim included), in order.
 
 # %%
 # export: engine.preemption
@@ -1418,7 +1491,7 @@ def make_room(scheduler: PagedScheduler, now: float) -> list[Request]:
     for request in sorted(scheduler.running, key=most_urgent_first(now, rate)):
         # BEGIN EXERCISE 7.5: grow the request; while it cannot, preempt the running request with the lowest effective priority (then the latest arrival)
         # Hint 1: A request preempted earlier in this loop has nothing to grow. The victim is the running request with the least claim to the memory: lowest effective priority, and among equals the one that arrived last; if that is the request itself, it gives way and stops.
-        # Hint 2: Skip the request unless its status is RUNNING. While not can_grow: victim = min over scheduler.running by (effective_priority(r, now, rate), -r.seq); preempt it through the scheduler; record it; break if it was the request itself. If it is still running, grow it.
+        # Hint 2: Skip the request unless its status is RUNNING. Loop while it cannot grow: the victim is a min over all running requests with a key that puts low effective priority first and breaks ties by reversed arrival order (seq); preempt and record it; leave the loop if it was the request itself. If the request is still running after the loop, grow it.
         if request.status is not RequestStatus.RUNNING:
             continue
         while not scheduler.allocator.can_grow(request.id, request.num_tokens):
@@ -1565,8 +1638,9 @@ assert paged.scheduler.num_preemptions > 0 and paged.runner.allocator.used == 0
 
 # %% [markdown]
 # The steps where something happened: admissions (`+`), preemptions (`!`) and retirements (`-`).
-# A preempted request comes back as a prefill of its prompt *and* the tokens it had generated
-# (`r1[0:…]` again), and nothing new is admitted while it waits.
+# A preempted request comes back (`+` again) with a prefill chunk over its prompt *and* the tokens
+# it had generated; the chunk starts after whatever of its full blocks the prefix cache still held.
+# (Nobody new waits in this small run: section 7's simulation shows admission pausing.)
 
 # %%
 for stats in paged.stats:
@@ -1613,6 +1687,8 @@ def running_over_time(engine: Engine) -> tuple[list[float], list[int]]:
 
 
 SLOTS, SLOT_LEN = 16, 384
+print(f"KV memory: {SLOTS} slots × {SLOT_LEN} tokens = {SLOTS * SLOT_LEN} tokens = "
+      f"{SLOTS * SLOT_LEN // BLOCK} blocks of {BLOCK}")
 arrivals = workload_arrivals(64, seed=0)
 slot_engine = simulate(arrivals, SchedulerConfig(max_seqs=SLOTS, token_budget=256), max_len=SLOT_LEN)
 pool = PagedAllocator(SLOTS * SLOT_LEN // BLOCK, BLOCK)
@@ -1637,17 +1713,19 @@ ax.legend()
 plt.show()
 
 # %% [markdown]
-# The simulator's cost model charges a little per decode row, so more requests per step is more
-# tokens per second here; on the real model the same is measured by the throughput benchmark,
+# The blocks finish sooner even with their preemptions, whose recompute the simulated time
+# includes. The simulator's cost model charges a little per decode row, so more requests per step
+# is more tokens per second here; on the real model the same is measured by the throughput benchmark,
 # which runs the slot engine and the paged engine side by side:
 # `make bench-throughput` (`.venv/bin/python benchmarks/throughput.py`).
 #
 # ### Prefix caching
 #
 # 32 requests that share a 200-token system prompt, each with its own question of 8–24 tokens,
-# arriving at once, through the simulator with and without prefix caching. Only the first two
-# compute the shared part: the second is admitted in the same step as the first, before the first
-# one's blocks are computed.
+# arriving at once, through the simulator with and without prefix caching. Only whole blocks are
+# shared (192 of the 200 tokens in blocks of 16: the 13th block also holds each request's own
+# question), and only the first two requests compute the shared part: the second is admitted in the
+# same step as the first, before the first one's blocks are computed.
 
 # %%
 def shared_prefix_arrivals(n: int = 32, shared: int = 200, seed: int = 1) -> list[Arrival]:
@@ -1671,8 +1749,10 @@ runs = {caching: prefill_run(shared_work, caching) for caching in (False, True)}
 prefill = {caching: sum(s.prefill_tokens for s in eng.stats) for caching, eng in runs.items()}
 ttft = {caching: sorted(r.ttft for r in eng.requests.values()) for caching, eng in runs.items()}
 same_tokens = all(runs[False].requests[i].output_ids == runs[True].requests[i].output_ids for i in runs[True].requests)
+saved = runs[True].runner.allocator.hit_tokens
 print(f"prefill tokens computed: {prefill[False]} without, {prefill[True]} with prefix caching "
-      f"(-{1 - prefill[True] / prefill[False]:.0%}); tokens saved by hits: {runs[True].runner.allocator.hit_tokens}")
+      f"(-{1 - prefill[True] / prefill[False]:.0%}); tokens saved by hits: {saved} = "
+      f"{saved // (200 // BLOCK * BLOCK)} requests × {200 // BLOCK * BLOCK} shared tokens")
 print(f"median TTFT (simulated): {ttft[False][16] * 1000:.0f} ms without, {ttft[True][16] * 1000:.0f} ms with; "
       f"same outputs: {same_tokens}")
 
@@ -1706,7 +1786,8 @@ assert real[False][0] == real[True][0] and real[True][1] < real[False][1]
 # loop does not win — each of its steps is a small gather of its own, and a CPU copies memory
 # about as fast as it reads it. The paged design pays off on a GPU, where one kernel reads the
 # blocks in place instead of writing and re-reading a copy of the whole context per layer per
-# step; that is why the engine reads blocks in place on a GPU and gathers on a CPU.
+# step; that is why the engine reads blocks in place on a GPU and gathers on a CPU. (The Triton
+# kernel is not timed here: without a GPU it only runs in its interpreter.)
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -1734,8 +1815,9 @@ for length in lengths:
         timings[name].append(time_ms(lambda: fn(q, keys, values, tables, lens, dim ** -0.5)))
     print(f"context {length:>5}: gather {timings['gather'][-1]:6.2f} ms, paged {timings['paged'][-1]:6.2f} ms")
 fig, ax = plt.subplots(figsize=(6, 3))
+labels = {"gather": "gather (the reference)", "paged": "paged (the PyTorch block loop)"}
 for name, ms in timings.items():
-    ax.plot(lengths, ms, marker="o", label=name)
+    ax.plot(lengths, ms, marker="o", label=labels[name])
 ax.set_xscale("log", base=2)
 ax.set_xlabel("context length (tokens)")
 ax.set_ylabel("ms per decode step, one layer")

@@ -23,8 +23,8 @@ class PagedModelRunner(ModelRunner):
     """The model, its paged cache and block allocator; ``prepare`` then ``run`` make a step's logits.
 
     ``decode``: how the decodes read their blocks — "paged" (in place), "gather" (copied out, then
-    ``attention``), or "auto": paged where it compiles (a GPU), gather on a CPU, where the two run
-    at the same speed and gather goes through your attention backend.
+    ``attention``), or "auto": paged where the Triton kernel compiles (a GPU), gather on a CPU,
+    where the block loop is no faster and gather goes through your attention backend.
     """
 
     step_backend = BLOCKS
