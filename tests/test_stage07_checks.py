@@ -45,6 +45,13 @@ def manager_with(name: str, **mistake):
                 if self.ref_counts[block] == 0:
                     self.release_block(block)
             return
+        if mistake.get("rebinds"):
+            for block in table[need:]:
+                self.ref_counts[block] -= 1
+                if self.ref_counts[block] == 0:
+                    self.release_block(block)
+            table = table[:need]  # a new list: the caller's table keeps its blocks
+            return
         while len(table) > need:
             block = table.pop(0) if mistake.get("shrinks_from_the_front") else table.pop()
             if mistake.get("keeps_the_count"):
@@ -81,6 +88,7 @@ def test_resize_check_passes_the_reference(capsys):
     (manager_with("NoCountCheck", no_count_check=True), "still held by another table"),
     (manager_with("QueuesWhileHeld", queues_while_held=True), "also held by another table"),
     (manager_with("ReleasesTwice", releases_twice=True), "freed twice"),
+    (manager_with("Rebinds", rebinds=True), "change the list in place"),
 ])
 def test_resize_check_names_the_mistake(wrong, message):
     with names_the_mistake("7.2", message):
@@ -228,6 +236,18 @@ def make_room_with(name: str, **mistake):
                         continue
                 scheduler.allocator.grow(request.id, request.num_tokens)
                 continue
+            if mistake.get("removes_by_hand"):  # picks and returns the victims, but never preempts them
+                held = dict(scheduler.allocator.held)
+                while not scheduler.allocator.can_grow(request.id, request.num_tokens):
+                    victim = choose(scheduler.running, key=victim_key)
+                    scheduler.running.remove(victim)
+                    scheduler.allocator.free_count += held.get(victim.id, 0)
+                    preempted.append(victim)
+                    if victim is request:
+                        break
+                else:
+                    scheduler.allocator.grow(request.id, request.num_tokens)
+                continue
             while not scheduler.allocator.can_grow(request.id, request.num_tokens):
                 candidates = [r for r in scheduler.running if r is not request or not mistake.get("spares_itself")]
                 victim = choose(candidates, key=victim_key)
@@ -260,6 +280,7 @@ def test_make_room_check_passes_the_reference(capsys):
     (make_room_with("preempts_first", preempts_first=True), "check can_grow before choosing a victim"),
     (make_room_with("never_grows", never_grows=True), "must be grown"),
     (make_room_with("returns_nothing", returns_nothing=True), "return the list of preempted requests"),
+    (make_room_with("removes_by_hand", removes_by_hand=True), "never called scheduler.preempt"),
 ])
 def test_make_room_check_names_the_mistake(wrong, message):
     with names_the_mistake("7.5", message):

@@ -156,7 +156,8 @@ def free_list_with(name: str, **mistake):
 
     def factory():
         def take(holes, n):
-            fitting = [i for i, (_, length) in enumerate(holes) if length >= n]
+            strictly = mistake.get("strictly_longer")
+            fitting = [i for i, (_, length) in enumerate(holes) if (length > n if strictly else length >= n)]
             if not fitting:
                 return None
             i = fitting[0]
@@ -180,6 +181,9 @@ def free_list_with(name: str, **mistake):
             return start
 
         def give_back(holes, offset, n):
+            if mistake.get("rebinds"):
+                holes = sorted(holes + [[offset, n]])  # a new list: the caller's is untouched
+                return
             if mistake.get("appends"):
                 holes.append([offset, n])
                 return
@@ -227,6 +231,8 @@ def test_first_fit_check_passes_the_reference(capsys):
     (free_list_with("keeps_merged_right", keeps_merged_right=True), "overlap.*must be removed"),
     (free_list_with("no_double_free_check", no_double_free_check=True), "double free"),
     (free_list_with("refuses_touching", refuses_touching=True), "only touches it"),
+    (free_list_with("strictly_longer", strictly_longer=True), "exactly n = \\d+ long.*length >= n"),
+    (free_list_with("give_back_rebinds", rebinds=True), "give_back must edit the list it is given, in place"),
 ])
 def test_first_fit_check_names_the_mistake(wrong, message):
     with names_the_mistake("7.1", message):

@@ -106,6 +106,10 @@ def _diagnose_take(ex: str, before: list[Hole], n: int, got: int | None, got_hol
         if got is None:
             fail(ex, f"{after} returned None, but the hole {_hole(fitting[0])} is long enough (length ≥ n fits, "
                      "= included)")
+        exact = next((h for h in fitting if h[1] == n), None)
+        if exact is not None and exact[0] == want and got != want:
+            fail(ex, f"{after} returned {got!r}: it skipped the hole {_hole(exact)}, which is exactly n = {n} long. "
+                     "A hole fits when length >= n (it is then used up and removed)")
         best = min(fitting, key=lambda h: h[1])
         if got == best[0] != want:
             fail(ex, f"{after} returned {got}: you chose the smallest hole that fits (best fit). First fit takes "
@@ -152,6 +156,10 @@ def _diagnose_give_back(ex: str, before: list[Hole], offset: int, n: int, got: l
     if got == want:
         return
     after = f"give_back(holes={_show(before)}, offset={offset}, n={n})"
+    if got == before:
+        fail(ex, f"after {after}, holes did not change: give_back must edit the list it is given, in place "
+                 "(insert, del, or change a hole); assigning a new list to the name `holes` makes one the pool "
+                 f"never sees (expected {_show(want)})")
     extra = sorted(_units(got) - _units(want))
     if extra:
         fail(ex, f"after {after}, {_list_units(extra)} lie inside a hole but are still in use: you "
@@ -310,6 +318,10 @@ def check_resize(BlockManager) -> None:
     before, grown = list(manager.free_queue), list(table)
     call(ex, manager.resize, table, 4)
     if table == grown:
+        if manager.ref_counts[grown[-1]] == 0 or grown[-1] in manager.free_queue:
+            fail(ex, f"resizing from 9 tokens to 4 released blocks but left the caller's table at {table}: "
+                     "change the list in place (table.pop(), table.append()); `table = table[:n]` makes a new "
+                     "list that the caller never sees")
         fail(ex, f"resizing from 9 tokens to 4 left the table at {table}: it did not shrink. When the table "
                  "holds more blocks than the tokens need, drop the extra ones from its end")
     if table != [shared]:
@@ -700,6 +712,9 @@ def check_make_room(make_room) -> None:
             fail(ex, f"make_room returned None: return the list of preempted requests, in the order you "
                      f"preempted them (case '{name}')")
         got_ids = [r.id for r in got]
+        if not sched.preempted_log and got_ids:
+            fail(ex, f"case '{name}': you returned {got_ids} but never called scheduler.preempt: it is what "
+                     "frees the victim's blocks, takes it out of `running`, marks it PREEMPTED and queues it")
         if sched.preempted_log != expected:
             wrong = _diagnose_victims(make_room, sched.preempted_log, expected)
             fail(ex, f"case '{name}': preempted {sched.preempted_log}, expected {expected}. {wrong}")

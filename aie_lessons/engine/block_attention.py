@@ -20,17 +20,12 @@ if TYPE_CHECKING:
 BLOCKS = "blocks"  # the backend's name: the paged runner switches the model to it for each step
 
 
-def gather_decode_inputs(keys: torch.Tensor, values: torch.Tensor, batch: PagedBatch,
-                         dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The decodes' keys and values copied out of their blocks, (n, Hkv, T, D) each, with the
-    (n, 1, 1, T) mask of the columns each row may see (T: the longest row)."""
-    size = keys.shape[1]
-    width = int(batch.decode_lens.max())
-    columns = torch.arange(width, device=keys.device)
-    flat = (batch.decode_tables[:, columns // size] * size + columns % size)  # (n, T) slots
-    k = keys.flatten(0, 1)[flat].transpose(1, 2).to(dtype)
-    v = values.flatten(0, 1)[flat].transpose(1, 2).to(dtype)
-    return k, v, (columns[None, :] < batch.decode_lens[:, None])[:, None, None, :]
+def gather_rows(pool: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The pool's rows at ``slots`` (n, T), as (n, Hkv, T, D): the decodes' keys or values copied out
+    of their blocks (``index_select`` of the flat rows: a few times faster on a CPU than indexing)."""
+    n, width = slots.shape
+    rows = pool.flatten(0, 1).index_select(0, slots.view(-1))
+    return rows.view(n, width, *pool.shape[2:]).transpose(1, 2).to(dtype)
 
 
 @register_attention_backend(BLOCKS, reads_cache=True)
@@ -47,8 +42,8 @@ def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: tor
                          "another backend with model.set_attention_backend")
     batch = start
     keys, values = cache.keys[layer], cache.values[layer]  # (num_blocks, block_size, Hkv, D), views
-    keys.flatten(0, 1)[batch.slots] = k[0].transpose(0, 1).to(keys.dtype)  # (N, Hkv, D) at their slots
-    values.flatten(0, 1)[batch.slots] = v[0].transpose(0, 1).to(values.dtype)
+    keys.flatten(0, 1).index_copy_(0, batch.slots, k[0].transpose(0, 1).to(keys.dtype))  # (N, Hkv, D)
+    values.flatten(0, 1).index_copy_(0, batch.slots, v[0].transpose(0, 1).to(values.dtype))
     attend = ATTENTION_BACKENDS[batch.attention]
     out = torch.empty_like(q)
     if len(batch.decode_rows):
@@ -57,8 +52,8 @@ def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: tor
             rows = paged_decode_attention(q_rows, keys, values, batch.decode_tables, batch.decode_lens,
                                           1 / math.sqrt(q.shape[-1]))
         else:
-            k_rows, v_rows, row_mask = gather_decode_inputs(keys, values, batch, q.dtype)
-            rows = attend(q_rows[:, :, None], k_rows, v_rows, mask=row_mask)[:, :, 0]
+            k_rows, v_rows = (gather_rows(pool, batch.decode_slots, q.dtype) for pool in (keys, values))
+            rows = attend(q_rows[:, :, None], k_rows, v_rows, mask=batch.decode_mask)[:, :, 0]
         out[0, :, batch.decode_rows] = rows.transpose(0, 1)
     for offset, length, table, end, chunk_mask in batch.chunks:  # the last `length` of `end` positions
         span = slice(offset, offset + length)

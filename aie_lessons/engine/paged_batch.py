@@ -35,6 +35,10 @@ class PagedBatch:
     decode_rows: torch.Tensor  # (n,) packed indices of one-token chunks
     decode_tables: torch.Tensor  # (n, max_blocks) their block tables, padded with block 0
     decode_lens: torch.Tensor  # (n,) their lengths, the new token included
+    # For gathering (once per step, not per layer): the slot of each column of each decode row
+    # (n, T), T the longest row, and the (n, 1, 1, T) mask of the columns each row may see.
+    decode_slots: torch.Tensor | None
+    decode_mask: torch.Tensor | None
     chunks: list[tuple[int, int, torch.Tensor, int, torch.Tensor]]  # (offset, length, table, end, mask)
     attention: str  # the backend that does the arithmetic (stage 02's or PyTorch's)
     decode: str  # "paged" (read blocks through the tables) or "gather" (copy them out first)
@@ -72,6 +76,11 @@ def prepare_paged_batch(schedule: Schedule, attention: str, decode: str, block_s
     def tensor(values: list) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=device)
 
+    tables, lens = tensor(padded).view(len(padded), width), tensor(decode_lens)
+    decode_slots = decode_mask = None
+    if decode == "gather" and decode_lens:
+        columns = torch.arange(max(decode_lens), device=device)
+        decode_slots = tables[:, columns // block_size] * block_size + columns % block_size
+        decode_mask = (columns[None, :] < lens[:, None])[:, None, None, :]
     return PagedBatch(tensor(ids)[None], tensor(positions)[None], tensor(slots), tensor(sample_rows),
-                      tensor(decode_rows), tensor(padded).view(len(padded), width), tensor(decode_lens),
-                      chunks, attention, decode)
+                      tensor(decode_rows), tables, lens, decode_slots, decode_mask, chunks, attention, decode)
