@@ -963,7 +963,7 @@ def chunk_slots(chunk: ScheduledChunk, block_size: int) -> list[int]:
 
 # %%
 # Check exercise 7.3
-checks.stage07.check_chunk_slots(chunk_slots, ScheduledChunk)
+checks.stage07.check_chunk_slots(chunk_slots)
 
 # %% [markdown]
 # Packing a step is stage 06's packing with slots in place of cache rows. One-token chunks (the

@@ -10,7 +10,7 @@ from aie_lessons.engine.block_manager import BlockManager, block_hashes
 from aie_lessons.engine.paged_batch import chunk_slots
 from aie_lessons.engine.preemption import make_room
 from aie_lessons.engine.request import RequestStatus
-from aie_lessons.engine.scheduler import ScheduledChunk, effective_priority
+from aie_lessons.engine.scheduler import effective_priority
 from check_expect import mutants, names_the_mistake
 
 
@@ -132,7 +132,7 @@ def shifted_by_one(chunk, block_size):
 
 
 def test_chunk_slots_check_passes_the_reference(capsys):
-    checks.stage07.check_chunk_slots(chunk_slots, ScheduledChunk)
+    checks.stage07.check_chunk_slots(chunk_slots)
     assert "✓ Exercise 7.3 passed" in capsys.readouterr().out
 
 
@@ -148,7 +148,7 @@ def test_chunk_slots_check_passes_the_reference(capsys):
 ])
 def test_chunk_slots_check_names_the_mistake(wrong, message):
     with names_the_mistake("7.3", message):
-        checks.stage07.check_chunk_slots(wrong, ScheduledChunk)
+        checks.stage07.check_chunk_slots(wrong)
 
 
 # --- 7.4 ----------------------------------------------------------------------------------------
@@ -294,7 +294,7 @@ def stub(*args):
 
 @pytest.mark.parametrize("run", [
     lambda: checks.stage07.check_resize(type("Stub", (BlockManager,), {"resize": stub})),
-    lambda: checks.stage07.check_chunk_slots(stub, ScheduledChunk),
+    lambda: checks.stage07.check_chunk_slots(stub),
     lambda: checks.stage07.check_block_hashes(stub),
     lambda: checks.stage07.check_make_room(stub),
 ], ids=["7.2", "7.3", "7.4", "7.5"])

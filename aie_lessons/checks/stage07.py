@@ -12,6 +12,7 @@ from collections import OrderedDict
 from types import SimpleNamespace
 
 from aie_lessons.checks.common import CheckFailed, call, fail, passed
+from aie_lessons.engine.request import RequestStatus  # stage 06's enum: given code, not an exercise
 
 
 # --- 7.1: first fit (the reference is a byte map, one flag per unit) ----------------------------
@@ -391,7 +392,7 @@ def _random_resizes(ex: str, BlockManager) -> None:
 
 
 # --- 7.3: slot mapping ------------------------------------------------------------------------
-def check_chunk_slots(chunk_slots, ScheduledChunk) -> None:
+def check_chunk_slots(chunk_slots) -> None:
     ex = "7.3"
     rng = random.Random(3)
     for size in (4, 16, 1):  # block_size 1 last: there a shift and a wrong block look alike
@@ -402,7 +403,7 @@ def check_chunk_slots(chunk_slots, ScheduledChunk) -> None:
             start = rng.randrange(0, 5 * size)
             length = rng.randint(1, 6 * size - start)
             request = SimpleNamespace(num_tokens=start + length + rng.randint(0, size), id="r0")
-            chunk = ScheduledChunk(request, start, length, table)
+            chunk = SimpleNamespace(request=request, start=start, length=length, kv=table)  # what it reads
 
             def slots(positions: range) -> list[int]:
                 return [table[p // size] * size + p % size for p in positions]
@@ -573,21 +574,13 @@ class _Scheduler:
             raise RuntimeError(f"{request.id} preempted twice")
         self.allocator.free(request.id)
         self.running.remove(request)
-        request.status = _PREEMPTED
+        request.status = RequestStatus.PREEMPTED
         self.preempted_log.append(request.id)
-
-
-_RUNNING, _PREEMPTED = None, None
-
-
-def _statuses():
-    from aie_lessons.engine.request import RequestStatus  # the enum of stage 06 (not an exercise)
-    return RequestStatus.RUNNING, RequestStatus.PREEMPTED
 
 
 def _request(rid: str, seq: int, tokens: int, priority: float = 0.0, arrival: float = 0.0,
              held: int | None = None):
-    return SimpleNamespace(id=rid, seq=seq, num_tokens=tokens, priority=priority, status=_RUNNING,
+    return SimpleNamespace(id=rid, seq=seq, num_tokens=tokens, priority=priority, status=RequestStatus.RUNNING,
                            metrics=SimpleNamespace(arrival=arrival), arrival=arrival, held=held)
 
 
@@ -668,7 +661,7 @@ def _room_by(victim_of):
 
         out = []
         for request in sorted(sched.running, key=lambda r: (-eff(r), r.seq)):
-            if request.status is not _RUNNING:
+            if request.status is not RequestStatus.RUNNING:
                 continue
             while not sched.allocator.can_grow(request.id, request.num_tokens):
                 victim = victim_of(sched.running, request, eff)
@@ -699,8 +692,6 @@ def _outcomes(make_room) -> list:
 
 
 def check_make_room(make_room) -> None:
-    global _RUNNING, _PREEMPTED
-    _RUNNING, _PREEMPTED = _statuses()
     ex = "7.5"
     for name, case in CASES.items():
         reference = _scheduler(case)
