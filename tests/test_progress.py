@@ -60,7 +60,7 @@ def test_commit_then_reset(tmp_path, course):
 stage, _, _ = find_stage("02")
 results = commit("02", __import__("pathlib").Path({str(solved_notebook(tmp_path))!r}))
 committed = [all(r.passed for r in results), attention.read_text().startswith(LEARNER_MARK),
-             is_committed(stage), "yours (committed)" in status_table()]
+             is_committed(stage), "your code" in status_table()]
 reset("02")
 print(json.dumps({{"committed": committed, "after_reset": [is_committed(stage), build.build(check=True, run=False)]}}))
 """)
@@ -74,6 +74,41 @@ def test_status_shows_the_modules_of_each_stage(monkeypatch):
     for stage in progress.stages():
         if stage.exercises:
             assert all(file in table for file in exports[stage.name]), stage.name
+
+
+def test_status_shows_the_learners_own_notebook_apart_from_the_package(monkeypatch):
+    """A learner who has not started sees 0 written in every notebook, even though the package's
+    reference code passes its checks: the two are separate columns."""
+    monkeypatch.setattr(progress, "run_checks_isolated", lambda number: [CheckResult("x", True)])
+    table = status_table()
+    for stage in progress.stages():
+        if stage.exercises:
+            n = len(stage.exercises)
+            row = next(line for line in table.splitlines() if line.startswith(stage.name))
+            assert f"written  0 / {n:<2} passing  0 / {n} " in row and "the reference" in row, row
+
+
+def test_notebook_progress_counts_written_exercises_and_saved_passes(tmp_path):
+    """Writing an exercise counts as written; its check's saved "passed" output counts as passing;
+    a check that failed, or was never run, does not."""
+    stage = find_stage("07")[0]
+    learner = nbformat.read(progress.learner_notebook_path(stage), as_version=4)
+    solved = nbformat.read(build.SOLUTIONS_DIR / f"{stage.name}.ipynb", as_version=4)
+    path = tmp_path / "07.ipynb"
+    nbformat.write(learner, path)
+    assert progress.notebook_progress(stage, path) == progress.NotebookProgress(0, 0, 5)
+    # Solve 7.2 and 7.3 by taking the solution's cells (same ids), but keep only 7.2's check output.
+    by_id = {cell.id: cell for cell in solved.cells}
+    for cell in learner.cells:
+        if cell.cell_type == "code" and ("Exercise 7.2 is" in cell.source or "Exercise 7.3 is" in cell.source):
+            cell.source = by_id[cell.id].source
+        if cell.source.startswith("# Check exercise 7.2"):
+            cell.outputs = by_id[cell.id].outputs
+        if cell.source.startswith("# Check exercise 7.3"):
+            cell.outputs = [nbformat.v4.new_output("stream", name="stdout", text="Exercise 7.3: wrong slot\n")]
+    nbformat.write(learner, path)
+    assert progress.notebook_progress(stage, path) == progress.NotebookProgress(2, 1, 5)
+    assert progress.notebook_progress(stage, tmp_path / "missing.ipynb") is None
 
 
 def test_commit_and_reset_write_modules_of_subpackages(tmp_path, monkeypatch):

@@ -196,19 +196,63 @@ def reset(number: str) -> None:
         write_module(ROOTS.module_path(module), text)
 
 
+@dataclass
+class NotebookProgress:
+    """A learner notebook as last saved: exercises written, and those whose check cell's saved
+    output says they passed."""
+
+    written: int
+    passing: int
+    total: int
+
+    def __str__(self) -> str:
+        return f"written {self.written:>2} / {self.total:<2} passing {self.passing:>2} / {self.total}"
+
+
+def notebook_progress(stage: Stage, path: Path | None = None) -> NotebookProgress | None:
+    """The learner's own progress in a stage, read from its notebook (None if there is none).
+
+    An exercise is *written* once its cell no longer holds the stub that raises "Exercise N.M is
+    not implemented yet"; it is *passing* when its check cell's saved output shows the check's
+    "✓ Exercise N.M passed" line — as of the last time the learner ran that cell and saved.
+    """
+    path = path or learner_notebook_path(stage)
+    if not path.exists():
+        return None
+    cells = [c for c in nbformat.read(path, as_version=4).cells if c.cell_type == "code"]
+    code = "\n".join(cell.source for cell in cells)
+    ids = [exercise.id for exercise in stage.exercises]
+    written = [i for i in ids if f"Exercise {i} is not implemented yet" not in code]
+    passing = set()
+    for cell in cells:
+        exercise = checked_exercise(cell)
+        outputs = "".join(str(o.get("text", "")) for o in cell.get("outputs", []))
+        if exercise in ids and f"✓ Exercise {exercise} passed" in outputs:
+            passing.add(exercise)
+    return NotebookProgress(len(written), len(passing), len(ids))
+
+
 def status_table() -> str:
-    """Each stage with exercises: whose code the package runs, the modules the stage exports,
-    how many of its checks pass and the first line of each failure."""
-    lines = [f"{'stage':<20} {'code in aie_lessons':<20} {'checks':>7}"]
+    """Each stage with exercises: the learner's own notebook (exercises written and passing, as
+    saved), whose code the package runs and how many of that code's checks pass, the modules the
+    stage exports and the first line of each failure."""
+    lines = ["your notebook: the exercises you wrote, and those whose check passed when you last ran it "
+             "and saved;",
+             "aie_lessons: the code later stages import (the reference until you `aie commit NN`), and "
+             "how many of the stage's checks that code passes.",
+             "",
+             f"{'stage':<24} {'your notebook (as saved)':<34} {'aie_lessons runs':<18} {'its checks':>10}"]
     all_stages = stages()
     exports = stage_module_table(all_stages, ROOTS)
     for stage in all_stages:
         if not stage.exercises:
             continue
-        owner = "yours (committed)" if is_committed(stage) else "reference"
+        owner = "your code" if is_committed(stage) else "the reference"
+        mine = notebook_progress(stage)
         results = run_checks_isolated(stage.number)
         passed = sum(r.passed for r in results)
-        lines.append(f"{stage.name:<20} {owner:<20} {passed:>3} / {len(results):<3}")
+        lines.append(f"{stage.name:<24} {str(mine) if mine else 'not found':<34} {owner:<18} "
+                     f"{passed:>4} / {len(results)}")
         lines.append(textwrap.fill(
             ", ".join(exports[stage.name]) or "no modules", width=100,
             initial_indent="    exports ", subsequent_indent=" " * 12,
