@@ -334,7 +334,9 @@ def test_commit_and_reset_through_the_console_script(tmp_path, real_model_dir):
     shutil.copy(SOLUTIONS_DIR / "02_attention.ipynb", tmp_path / "solved.ipynb")
     out = run("commit", "02", "--notebook", str(tmp_path / "solved.ipynb"), env=env)
     assert out.returncode == 0 and "committed" in out.stdout, out.stdout + out.stderr
-    assert attention.read_text() != reference and "yours" in run("status", env=env).stdout
+    status = run("status", env=env).stdout
+    row = next(line for line in status.splitlines() if line.startswith("02_attention"))
+    assert attention.read_text() != reference and "your code" in row, status
     out = run("reset", "02", env=env)
     assert out.returncode == 0 and attention.read_text() == reference
 
