@@ -313,7 +313,7 @@ def _grade(args: argparse.Namespace) -> int:
     from aie_lessons.course.grade import format_report, grade, write_junit
 
     stages = args.stages.split(",") if args.stages else None
-    results = grade(Path(args.submission), stages, cell_timeout=args.cell_timeout)
+    results = grade(Path(args.submission), stages, cell_timeout=args.cell_timeout, jobs=args.jobs)
     print(format_report(results))
     if args.junit:
         write_junit(results, Path(args.junit))
@@ -350,10 +350,16 @@ def _reset(args: argparse.Namespace) -> int:
     return 0
 
 
+def _lab(args: argparse.Namespace) -> int:
+    from aie_lessons.course.lab import run_lab
+
+    return run_lab(port=args.port, open_browser=not args.no_browser)
+
+
 def positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} is not a positive number of seconds")
+        raise argparse.ArgumentTypeError(f"{value} is not a positive number")
     return value
 
 
@@ -430,7 +436,15 @@ def build_parser() -> argparse.ArgumentParser:
     grade.add_argument("--junit", metavar="FILE", help="also write JUnit XML")
     grade.add_argument("--cell-timeout", type=positive_int, default=300, metavar="SECONDS",
                        help="a cell running longer fails (default 300)")
+    grade.add_argument("--jobs", type=positive_int, default=1, metavar="N",
+                       help="stages graded at once, each in its own kernel (default 1; each may "
+                            "hold the model, so mind the memory)")
     grade.set_defaults(run=_grade)
+
+    lab = commands.add_parser("lab", help="serve the learner notebooks in JupyterLab (loopback only)")
+    lab.add_argument("--port", type=int, help="default: the first free one from 8888")
+    lab.add_argument("--no-browser", action="store_true", help="print the URL, do not open a browser")
+    lab.set_defaults(run=_lab)
 
     status = commands.add_parser("status", help="your stages: committed or reference, checks")
     status.set_defaults(run=_status)

@@ -151,6 +151,21 @@ def pytest_collection_modifyitems(items):
             item.add_marker(pytest.mark.oracle)
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A failed browser test shows what the page showed: one more screenshot, and all their paths."""
+    outcome = yield
+    report = outcome.get_result()
+    screens = getattr(item, "screens", None)
+    if screens is None or report.when != "call" or not report.failed:
+        return
+    try:
+        screens.shot("at_failure")
+    except Exception as exc:  # a page that crashed cannot be shot; say so beside the others
+        report.sections.append(("screenshot at failure", f"not taken: {exc}"))
+    report.sections.append(("screenshots", "\n".join(str(p) for p in screens.paths)))
+
+
 @pytest.fixture(scope="session")
 def real_model(real_model_dir):
     """Our fp32 model of the course checkpoint, loaded once for the tests that only read it."""

@@ -50,6 +50,15 @@ def test_untouched_learner_notebook_grades_zero_with_not_implemented(tmp_path):
         assert "is not implemented yet" in exercise.message, exercise
 
 
+def test_stages_graded_side_by_side_report_in_stage_order(tmp_path):
+    shutil.copy(NOTEBOOKS_DIR / f"{STAGE}.ipynb", tmp_path)  # 02 untouched; 01 and 03 missing
+    results = grade(tmp_path, ["03", "01", "02"], jobs=2)
+    assert [r.stage for r in results] == ["01", "02", "03"]
+    assert all("not in the submission" in e.message for r in (results[0], results[2]) for e in r.exercises)
+    assert not any(e.passed for e in results[1].exercises)
+    assert all("is not implemented yet" in e.message for e in results[1].exercises)
+
+
 def test_exactly_one_wrong_exercise_fails_exactly_that_exercise(tmp_path, capsys):
     nb = solution()
     cell = next(c for c in nb.cells if c.get("id") == "s02-ex-2-3")

@@ -336,7 +336,15 @@ def build(
                                    "table of learner-written lines")
     sync(roots.readme, readme)
     for stage in selected:
-        sync(roots.notebooks / f"{stage.name}.ipynb", notebook_text(learner_notebook(stage)))
+        learner = learner_notebook(stage)
+        # JupyterLab writes the kernel's language_info into a notebook as it opens it, so one
+        # without it opens already modified. The executed solution recorded it from the kernel.
+        solution_path = roots.solutions / f"{stage.name}.ipynb"
+        if solution_path.exists():
+            info = nbformat.read(solution_path, as_version=4).metadata.get("language_info")
+            if info:
+                learner.metadata["language_info"] = info
+        sync(roots.notebooks / f"{stage.name}.ipynb", notebook_text(learner))
     # Modules first: a solution notebook may import an earlier stage's module.
     for stage in selected:
         solution_path = roots.solutions / f"{stage.name}.ipynb"
