@@ -353,7 +353,15 @@ def _reset(args: argparse.Namespace) -> int:
 def _lab(args: argparse.Namespace) -> int:
     from aie_lessons.course.lab import run_lab
 
-    return run_lab(port=args.port, open_browser=not args.no_browser)
+    run_lab(port=args.port, open_browser=not args.no_browser)  # becomes JupyterLab: no return
+    return 0
+
+
+def port_number(text: str) -> int:
+    value = int(text)
+    if not 1024 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"{value} is not a port from 1024 to 65535")
+    return value
 
 
 def positive_int(text: str) -> int:
@@ -442,7 +450,7 @@ def build_parser() -> argparse.ArgumentParser:
     grade.set_defaults(run=_grade)
 
     lab = commands.add_parser("lab", help="serve the learner notebooks in JupyterLab (loopback only)")
-    lab.add_argument("--port", type=int, help="default: the first free one from 8888")
+    lab.add_argument("--port", type=port_number, help="default: the first free one from 8888")
     lab.add_argument("--no-browser", action="store_true", help="print the URL, do not open a browser")
     lab.set_defaults(run=_lab)
 

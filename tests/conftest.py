@@ -163,7 +163,8 @@ def pytest_runtest_makereport(item, call):
         screens.shot("at_failure")
     except Exception as exc:  # a page that crashed cannot be shot; say so beside the others
         report.sections.append(("screenshot at failure", f"not taken: {exc}"))
-    report.sections.append(("screenshots", "\n".join(str(p) for p in screens.paths)))
+    report.sections.append(("screenshots, then the server's log",
+                            "\n".join(str(p) for p in [*screens.paths, screens.log])))
 
 
 @pytest.fixture(scope="session")

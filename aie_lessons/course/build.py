@@ -335,16 +335,6 @@ def build(
                                    (exercise_lines.README_BEGIN, exercise_lines.README_END),
                                    "table of learner-written lines")
     sync(roots.readme, readme)
-    for stage in selected:
-        learner = learner_notebook(stage)
-        # JupyterLab writes the kernel's language_info into a notebook as it opens it, so one
-        # without it opens already modified. The executed solution recorded it from the kernel.
-        solution_path = roots.solutions / f"{stage.name}.ipynb"
-        if solution_path.exists():
-            info = nbformat.read(solution_path, as_version=4).metadata.get("language_info")
-            if info:
-                learner.metadata["language_info"] = info
-        sync(roots.notebooks / f"{stage.name}.ipynb", notebook_text(learner))
     # Modules first: a solution notebook may import an earlier stage's module.
     for stage in selected:
         solution_path = roots.solutions / f"{stage.name}.ipynb"
@@ -362,7 +352,36 @@ def build(
         if run and not check:
             print(f"executing {stage.name} ...", flush=True)
             solution_path.write_text(notebook_text(execute(reference, roots.solutions)))
+    for stage in selected:
+        learner_path = roots.notebooks / f"{stage.name}.ipynb"
+        learner = learner_notebook(stage)
+        learner.metadata["language_info"] = language_info(learner_path, roots.solutions / f"{stage.name}.ipynb")
+        sync(learner_path, notebook_text(learner))
     return stale
+
+
+def kernel_language_info() -> dict:
+    """What this Python's kernel will report about its language: ipykernel's own dict."""
+    from ipykernel.ipkernel import IPythonKernel
+
+    return dict(IPythonKernel.language_info)
+
+
+def language_info(learner_path: Path, solution_path: Path) -> dict:
+    """The ``language_info`` a learner notebook carries: the one it has, else its solution's.
+
+    JupyterLab writes the kernel's language_info into a notebook as the kernel starts, so a
+    notebook without it, or with another Python's, opens already modified. It describes the
+    machine, not the course: `aie lab` sets it to the learner's own kernel, and the build keeps
+    what it finds rather than calling that notebook stale. A new notebook takes the one its
+    executed solution recorded from the kernel.
+    """
+    for path in (learner_path, solution_path):
+        if path.exists():
+            info = nbformat.read(path, as_version=4).metadata.get("language_info")
+            if info:
+                return info
+    return kernel_language_info()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -3,14 +3,18 @@
 The test must open the same JupyterLab a learner gets, so the command line is built here and
 nowhere else. Choices, and why:
 
-* loopback only, a free port and a fresh token: nothing on the network can reach the learner's
-  kernel, which runs any code it is sent;
+* loopback only, and a fresh token passed in the environment (a command line is readable by
+  every user of the machine through ``ps``): nothing else can reach the learner's kernel, which
+  runs any code it is sent;
 * the URL, token included, is printed by us before Jupyter starts, so the learner does not have
-  to find it in Jupyter's own log;
+  to find it in Jupyter's own log; ``port_retries=0`` keeps that URL true (Jupyter would
+  otherwise move to another port and the printed one would lead nowhere);
+* Jupyter *replaces* this process (exec), so Ctrl-C, SIGTERM and the exit status are Jupyter's
+  own: it asks before stopping, and shuts its kernels down cleanly;
 * ``--allow-root`` only when running as root (containers): Jupyter refuses root without it;
-* the notebooks' ``language_info`` is made the kernel's own first: JupyterLab writes it into a
-  notebook as the kernel starts, and a notebook whose copy differs (another Python version than
-  the one that built the course) would open marked modified before the learner touched it.
+* the course notebooks' ``language_info`` is made the kernel's own first: JupyterLab writes it
+  into a notebook as the kernel starts, and a notebook whose copy differs (another Python
+  version than the one that built the course) would open marked modified before any edit.
 """
 
 from __future__ import annotations
@@ -18,17 +22,17 @@ from __future__ import annotations
 import os
 import secrets
 import socket
-import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import nbformat
 
-from aie_lessons.infra.paths import REPO_ROOT
+from aie_lessons.course.build import NOTEBOOKS_DIR, kernel_language_info
 
 HOST = "127.0.0.1"
-NOTEBOOKS_DIR = REPO_ROOT / "notebooks"
 FIRST_PORT = 8888
+TOKEN_ENV = "JUPYTER_TOKEN"
 
 
 def free_port(start: int = FIRST_PORT, tries: int = 100) -> int:
@@ -44,15 +48,16 @@ def free_port(start: int = FIRST_PORT, tries: int = 100) -> int:
                   "server (`jupyter server list` shows them) or pass --port")
 
 
-def lab_url(port: int, token: str, path: str = "lab") -> str:
-    return f"http://{HOST}:{port}/{path}?token={token}"
+def lab_url(port: int, token: str) -> str:
+    return f"http://{HOST}:{port}/lab?token={token}"
 
 
-def lab_command(root_dir: Path, port: int, token: str, open_browser: bool = True) -> list[str]:
-    """The ``jupyter lab`` command line that serves ``root_dir`` on loopback ``port`` with ``token``."""
+def lab_command(root_dir: Path, port: int, open_browser: bool = True) -> list[str]:
+    """The ``jupyter lab`` command line serving ``root_dir`` on loopback ``port``; the token goes
+    in the environment (``TOKEN_ENV``), never here."""
     cmd = [sys.executable, "-m", "jupyterlab", f"--ServerApp.root_dir={root_dir}",
            f"--ServerApp.ip={HOST}", f"--ServerApp.port={port}", "--ServerApp.port_retries=0",
-           f"--IdentityProvider.token={token}"]
+           "--ServerApp.base_url=/"]
     if not open_browser:
         cmd.append("--no-browser")
     if hasattr(os, "geteuid") and os.geteuid() == 0:
@@ -60,41 +65,51 @@ def lab_command(root_dir: Path, port: int, token: str, open_browser: bool = True
     return cmd
 
 
-def kernel_language_info() -> dict:
-    """What this Python's kernel reports about its language (ipykernel's own dict, not a copy)."""
-    from ipykernel.ipkernel import IPythonKernel
-
-    return dict(IPythonKernel.language_info)
+def course_notebooks(root_dir: Path) -> list[Path]:
+    """The stage notebooks (``NN_name.ipynb``): the learner's other notebooks are not ours to edit."""
+    return sorted(root_dir.glob("[0-9][0-9]_*.ipynb"))
 
 
-def match_kernel_language(notebooks: list[Path]) -> list[Path]:
-    """Give each notebook the kernel's ``language_info``; return those that needed it.
+def match_kernel_language(notebooks: list[Path]) -> tuple[list[Path], list[str]]:
+    """Give each notebook the kernel's ``language_info``; return those changed, and problems.
 
-    Only that metadata key changes: cells, outputs and the learner's work are left as they are.
+    Only that metadata key changes, and the new file replaces the old in one step (a crash
+    half-way cannot cost the learner their work). A notebook that cannot be read is left as it
+    is and named, so JupyterLab still starts and the learner can open it there to mend it.
     """
-    info, changed = kernel_language_info(), []
+    info, changed, problems = kernel_language_info(), [], []
     for path in notebooks:
-        nb = nbformat.read(path, as_version=4)
-        if nb.metadata.get("language_info") != info:
-            nb.metadata["language_info"] = info
-            nbformat.write(nb, path)
-            changed.append(path)
-    return changed
+        try:
+            nb = nbformat.read(path, as_version=4)
+        except (OSError, ValueError) as exc:  # unreadable, not JSON, not UTF-8: named, left alone
+            problems.append(f"{path.name} is not a readable notebook ({type(exc).__name__}: {exc}); "
+                            "left as it is. Fix: open it in JupyterLab or restore it with git")
+            continue
+        if nb.metadata.get("language_info") == info:
+            continue
+        nb.metadata["language_info"] = info
+        with tempfile.NamedTemporaryFile("w", dir=path.parent, suffix=".ipynb.tmp", delete=False,
+                                         encoding="utf-8") as tmp:
+            nbformat.write(nb, tmp)
+        os.replace(tmp.name, path)
+        changed.append(path)
+    return changed, problems
 
 
-def run_lab(root_dir: Path = NOTEBOOKS_DIR, port: int | None = None, open_browser: bool = True) -> int:
-    """Serve the notebooks until Ctrl-C; print where to open them and how to stop first."""
+def run_lab(root_dir: Path = NOTEBOOKS_DIR, port: int | None = None, open_browser: bool = True) -> None:
+    """Print where to open the notebooks and how to stop, then become JupyterLab (never returns)."""
     port = port or free_port()
-    changed = match_kernel_language(sorted(root_dir.glob("*.ipynb")))
-    if changed:
-        print(f"{len(changed)} notebook(s) now name this kernel's Python "
-              f"{kernel_language_info()['version']} (so they do not open marked modified)")
     token = secrets.token_hex(16)
+    changed, problems = match_kernel_language(course_notebooks(root_dir))
+    python = kernel_language_info()["version"]
+    for problem in problems:
+        print(f"aie lab: warning: {problem}", file=sys.stderr)
+    if changed:
+        print(f"{len(changed)} notebook(s) now name this kernel's Python {python} "
+              "(so they do not open marked modified)")
     print(f"JupyterLab is starting on {root_dir}.\n"
           f"  Open: {lab_url(port, token)}\n"
-          "  Stop: save your notebooks (Ctrl-S), then press Ctrl-C twice in this terminal.",
+          "  Stop: save your notebooks (Ctrl-S), then press Ctrl-C in this terminal and answer y.",
           flush=True)
-    try:
-        return subprocess.call(lab_command(root_dir, port, token, open_browser))
-    except KeyboardInterrupt:  # the second Ctrl-C reaches us too: Jupyter has stopped, so do we
-        return 0
+    cmd = lab_command(root_dir, port, open_browser)
+    os.execve(cmd[0], cmd, {**os.environ, TOKEN_ENV: token})
