@@ -33,11 +33,13 @@ lab: venv model
 ## each ran 2.4x slower here. The slowest tests and the time of each phase are printed at the end.
 test:
 	@t0=$$(date +%s); \
-	$(MAKE) --no-print-directory venv && t1=$$(date +%s) && \
-	$(MAKE) --no-print-directory model && t2=$$(date +%s) && \
-	$(PY) -m pytest tests solutions/*.ipynb $(NBVAL) --durations=15 && t3=$$(date +%s) && \
-	$(AIE) grade solutions && t4=$$(date +%s) && \
-	echo "make test: install $$((t1 - t0)) s, model $$((t2 - t1)) s, pytest and nbval $$((t3 - t2)) s, grading (every notebook again) $$((t4 - t3)) s, total $$((t4 - t0)) s"
+	$(MAKE) --no-print-directory venv || exit $$?; t1=$$(date +%s); \
+	$(MAKE) --no-print-directory model || exit $$?; t2=$$(date +%s); \
+	$(PY) -m pytest tests solutions/*.ipynb $(NBVAL) --durations=15; tests=$$?; t3=$$(date +%s); \
+	$(AIE) grade solutions; graded=$$?; t4=$$(date +%s); \
+	echo "make test: install $$((t1 - t0)) s, model $$((t2 - t1)) s, pytest and nbval $$((t3 - t2)) s" \
+	     "(exit $$tests), grading: every notebook again $$((t4 - t3)) s (exit $$graded), total $$((t4 - t0)) s"; \
+	[ $$tests -eq 0 ] && [ $$graded -eq 0 ]
 
 ## test-fast: unit tests on the tiny random models: no model download, no network, under a minute
 test-fast: venv
