@@ -6,6 +6,7 @@ import re
 import shutil
 import time
 import xml.etree.ElementTree as ET
+from concurrent.futures import ThreadPoolExecutor
 
 import nbformat
 import pytest
@@ -210,16 +211,20 @@ def sealed_verdicts(learner: nbformat.NotebookNode) -> dict:
     return sealed_checks("02", grading_notebook(solution(), learner), timeout=600)
 
 
-@pytest.mark.parametrize("cheat", CHEATS)
-def test_the_sealed_checks_see_through_each_cheat(cheat):
-    """The learner's exercise code, cheat included, checked the way the grader checks it."""
+def cheat_verdict(cheat: str):
     nb = solution()
     cell = next(c for c in nb.cells if c.get("id") == "s02-ex-2-1")
     cell.source = cheating_cell(cell.source, cheat)
-    verdict = sealed_verdicts(nb)["2.1"]
-    assert verdict.passed is False, verdict
-    expected = "your code changed" if CHEATS[cheat][0] == "changed" else "Exercise 2.1:"
-    assert expected in verdict.message, verdict
+    return sealed_verdicts(nb)["2.1"]
+
+
+def test_the_sealed_checks_see_through_each_cheat(monkeypatch):
+    """The learner's exercise code, cheat included, checked the way the grader checks it."""
+    verdicts = two_at_a_time(cheat_verdict, list(CHEATS), monkeypatch)
+    for cheat, verdict in verdicts.items():
+        assert verdict.passed is False, (cheat, verdict)
+        expected = "your code changed" if CHEATS[cheat][0] == "changed" else "Exercise 2.1:"
+        assert expected in verdict.message, (cheat, verdict)
 
 
 def test_an_added_export_cell_cannot_replace_a_module_the_checks_use():
@@ -239,12 +244,16 @@ def test_the_sealed_checks_pass_every_solution(monkeypatch):
     from aie_lessons.course.grade import grading_notebook, sealed_checks
     from aie_lessons.course.progress import stages
 
-    for stage in stages():
-        if stage.exercises:
-            reference = solution(stage.name)
-            verdicts = sealed_checks(stage.number, grading_notebook(reference, reference), timeout=900)
-            assert [e.id for e in stage.exercises] == list(verdicts), stage.name
-            assert all(v.passed for v in verdicts.values()), verdicts
+    with_exercises = {s.name: s for s in stages() if s.exercises}
+
+    def verdicts_on_the_reference(name: str):
+        reference = solution(name)
+        return sealed_checks(with_exercises[name].number, grading_notebook(reference, reference), timeout=900)
+
+    checked = two_at_a_time(verdicts_on_the_reference, list(with_exercises), monkeypatch)
+    for name, verdicts in checked.items():
+        assert [e.id for e in with_exercises[name].exercises] == list(verdicts), name
+        assert all(v.passed for v in verdicts.values()), verdicts
 
 
 def test_a_cheating_notebook_passes_its_check_cell_but_not_the_grade(tmp_path):
@@ -276,17 +285,26 @@ def test_nbval_failing_to_run_is_an_error_not_a_silent_zero(tmp_path):
         run_nbval(tmp_path / "missing.ipynb", cell_timeout=10)
 
 
-def _all_exercises():
+def two_at_a_time(fn, items: list, monkeypatch) -> dict:
+    """``{item: fn(item)}``, two items at a time, for functions that start sealed runs.
+
+    A sealed run is a fresh Python importing torch and running small checks: mostly one core's
+    work. With one thread each (OMP_NUM_THREADS, read by the runs' torch) two of them use the two
+    cores without fighting over them, and take half the time.
+    """
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        return dict(zip(items, pool.map(fn, items)))
+
+
+def _stages_with_exercises():
     from aie_lessons.course.build import ROOTS, load_stages
 
-    return [pytest.param(s, e.id, id=e.id) for s in load_stages(ROOTS) for e in s.exercises]
+    return [pytest.param(s, id=s.name) for s in load_stages(ROOTS) if s.exercises]
 
 
-@pytest.mark.parametrize("stage, exercise", _all_exercises())
-def test_one_wrong_exercise_fails_that_exercise_alone(stage, exercise):
-    """Each exercise's mistake is reported against it and no other: the checks give later
-    exercises the reference versions of earlier ones (``checks.common.isolated``), so one wrong
-    function cannot fail the whole stage. Checked the way the grader checks, sealed."""
+def failed_with_one_mistake(stage, exercise: str) -> tuple[list[str], str]:
+    """The exercises whose sealed checks fail when only ``exercise`` raises a mistake, and its message."""
     from aie_lessons.course.grade import grading_notebook, sealed_checks
 
     cell_id = f"s{stage.number}-ex-{exercise.replace('.', '-')}"
@@ -297,6 +315,17 @@ def test_one_wrong_exercise_fails_that_exercise_alone(stage, exercise):
     assert wrong != stub.source, f"{cell_id} has no stub to replace"
     next(c for c in learner.cells if c.get("id") == cell_id).source = wrong
     verdicts = sealed_checks(stage.number, grading_notebook(solution(stage.name), learner), timeout=900)
-    failed = sorted(e for e, v in verdicts.items() if not v.passed)
-    assert failed == [exercise], {e: verdicts[e].message[:300] for e in failed}
-    assert "a deliberate mistake" in verdicts[exercise].message
+    return sorted(e for e, v in verdicts.items() if not v.passed), verdicts[exercise].message
+
+
+@pytest.mark.parametrize("stage", _stages_with_exercises())
+def test_each_wrong_exercise_fails_that_exercise_alone(stage, monkeypatch):
+    """Each exercise's mistake is reported against it and no other: the checks give later
+    exercises the reference versions of earlier ones (``checks.common.isolated``), so one wrong
+    function cannot fail the whole stage. Checked the way the grader checks, sealed: one run
+    per exercise."""
+    outcomes = two_at_a_time(lambda e: failed_with_one_mistake(stage, e), [e.id for e in stage.exercises],
+                             monkeypatch)
+    wrong = {e: (failed, message[:300]) for e, (failed, message) in outcomes.items()
+             if failed != [e] or "a deliberate mistake" not in message}
+    assert not wrong, f"with only the exercise on the left wrong, these failed (and said): {wrong}"
