@@ -69,7 +69,7 @@ print(json.dumps({{"committed": committed, "after_reset": [is_committed(stage), 
 
 
 def test_status_shows_the_modules_of_each_stage(monkeypatch):
-    monkeypatch.setattr(progress, "run_checks_isolated", lambda number: [])
+    monkeypatch.setattr(progress, "run_checks_isolated", lambda number, threads=None: [])
     table, exports = status_table(), build.stage_module_table()
     for stage in progress.stages():
         if stage.exercises:
@@ -79,7 +79,7 @@ def test_status_shows_the_modules_of_each_stage(monkeypatch):
 def test_status_shows_the_learners_own_notebook_apart_from_the_package(monkeypatch):
     """A learner who has not started sees 0 written in every notebook, even though the package's
     reference code passes its checks: the two are separate columns."""
-    monkeypatch.setattr(progress, "run_checks_isolated", lambda number: [CheckResult("x", True)])
+    monkeypatch.setattr(progress, "run_checks_isolated", lambda number, threads=None: [CheckResult("x", True)])
     table = status_table()
     for stage in progress.stages():
         if stage.exercises:

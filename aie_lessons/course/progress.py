@@ -12,7 +12,9 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import os
 import subprocess
+from concurrent.futures import ThreadPoolExecutor, as_completed
 import sys
 import textwrap
 import traceback
@@ -21,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import nbformat
+from tqdm.auto import tqdm
 
 from aie_lessons.course.build import ROOTS, load_stages, stage_module_table, staged_modules
 from aie_lessons.course.source import PACKAGE, SourceError, Stage, checked_exercise, export_modules
@@ -124,11 +127,15 @@ def run_checks(stage: Stage) -> list[CheckResult]:
     return list(check_results(stage))
 
 
-def run_checks_isolated(number: str) -> list[CheckResult]:
-    """Run a stage's checks in a fresh Python, so that modules just written are the ones imported."""
+def run_checks_isolated(number: str, threads: int | None = None) -> list[CheckResult]:
+    """Run a stage's checks in a fresh Python, so that modules just written are the ones imported.
+
+    ``threads`` caps the child's torch threads, for running several stages side by side.
+    """
+    env = None if threads is None else {**os.environ, "OMP_NUM_THREADS": str(threads)}
     out = subprocess.run(
         [sys.executable, "-m", "aie_lessons.course.progress", number],
-        capture_output=True, text=True, cwd=REPO_ROOT,
+        capture_output=True, text=True, cwd=REPO_ROOT, env=env,
     )
     try:
         return [CheckResult(**r) for r in json.loads(out.stdout.strip().splitlines()[-1])]
@@ -244,12 +251,19 @@ def status_table() -> str:
              f"{'stage':<24} {'your notebook (as saved)':<34} {'aie_lessons runs':<18} {'its checks':>10}"]
     all_stages = stages()
     exports = stage_module_table(all_stages, ROOTS)
-    for stage in all_stages:
-        if not stage.exercises:
-            continue
+    checked = [s for s in all_stages if s.exercises]
+    # A stage's checks are mostly a fresh Python importing torch, one core's work: run one stage
+    # per core, each with one thread, and show how far it has got (it takes half a minute).
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        running = {pool.submit(run_checks_isolated, s.number, 1): s.number for s in checked}
+        checks = {}
+        for future in tqdm(as_completed(running), total=len(running), desc="running each stage's checks",
+                           unit="stage", file=sys.stderr, leave=False):
+            checks[running[future]] = future.result()
+    for stage in checked:
         owner = "your code" if is_committed(stage) else "the reference"
         mine = notebook_progress(stage)
-        results = run_checks_isolated(stage.number)
+        results = checks[stage.number]
         passed = sum(r.passed for r in results)
         lines.append(f"{stage.name:<24} {str(mine) if mine else 'not found':<34} {owner:<18} "
                      f"{passed:>4} / {len(results)}")
