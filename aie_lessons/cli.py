@@ -313,7 +313,7 @@ def _grade(args: argparse.Namespace) -> int:
     from aie_lessons.course.grade import format_report, grade, write_junit
 
     stages = args.stages.split(",") if args.stages else None
-    results = grade(Path(args.submission), stages, cell_timeout=args.cell_timeout, jobs=args.jobs)
+    results = grade(Path(args.submission), stages, cell_timeout=args.cell_timeout)
     print(format_report(results))
     if args.junit:
         write_junit(results, Path(args.junit))
@@ -444,9 +444,6 @@ def build_parser() -> argparse.ArgumentParser:
     grade.add_argument("--junit", metavar="FILE", help="also write JUnit XML")
     grade.add_argument("--cell-timeout", type=positive_int, default=300, metavar="SECONDS",
                        help="a cell running longer fails (default 300)")
-    grade.add_argument("--jobs", type=positive_int, default=1, metavar="N",
-                       help="stages graded at once, each in its own kernel (default 1; each may "
-                            "hold the model, so mind the memory)")
     grade.set_defaults(run=_grade)
 
     lab = commands.add_parser("lab", help="serve the learner notebooks in JupyterLab (loopback only)")

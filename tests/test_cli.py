@@ -286,7 +286,6 @@ BAD_INPUTS = [
     (("grade", "{tmp}/nowhere"), "is not a folder"),
     (("grade", "{tmp}", "--stages", "42"), "no stage 42"),
     (("grade", "{tmp}", "--cell-timeout", "0"), "0 is not a positive number"),
-    (("grade", "{tmp}", "--jobs", "0"), "0 is not a positive number"),
     (("lab", "--port", "80"), "80 is not a port from 1024 to 65535"),
     (("commit", "42"), "there is no stage 42"),
     (("commit", "02", "--notebook", "{tmp}/missing.ipynb"), "missing.ipynb does not exist"),

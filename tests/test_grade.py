@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import re
 import shutil
-import time
 import xml.etree.ElementTree as ET
 from concurrent.futures import ThreadPoolExecutor
 
@@ -51,28 +50,6 @@ def test_untouched_learner_notebook_grades_zero_with_not_implemented(tmp_path):
         assert not exercise.passed
         # Exercise 2.4's layer calls 2.1's split_heads, so its message may name 2.1.
         assert "is not implemented yet" in exercise.message, exercise
-
-
-def test_jobs_grade_stages_at_once_and_report_in_stage_order(tmp_path, monkeypatch):
-    """Two stages must be inside grade_stage together (a barrier of two passes only then), and
-    the slower first stage still comes first in the results."""
-    import threading
-
-    import aie_lessons.course.grade as grading
-
-    both_inside = threading.Barrier(2, timeout=5)
-
-    def fake_grade_stage(source, submission_dir, cell_timeout):
-        both_inside.wait()
-        if source.name.startswith("01"):
-            time.sleep(0.5)
-        return grading.StageResult(stage=source.name[:2], name=source.stem)
-
-    monkeypatch.setattr(grading, "grade_stage", fake_grade_stage)
-    results = grade(tmp_path, ["02", "01"], jobs=2)
-    assert [r.stage for r in results] == ["01", "02"]
-    with pytest.raises(threading.BrokenBarrierError):  # one at a time never meets the barrier
-        grade(tmp_path, ["01", "02"], jobs=1)
 
 
 def test_exactly_one_wrong_exercise_fails_exactly_that_exercise(tmp_path, capsys):

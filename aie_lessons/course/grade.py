@@ -24,7 +24,6 @@ import subprocess
 import sys
 import tempfile
 import xml.etree.ElementTree as ET
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -270,13 +269,7 @@ def write_junit(results: list[StageResult], path: Path) -> None:
 
 
 def grade(submission_dir: Path, stages: list[str] | None = None,
-          cell_timeout: int = DEFAULT_CELL_TIMEOUT_S, jobs: int = 1) -> list[StageResult]:
-    """Grade each stage's notebook; ``jobs`` stages at once, each in its own kernel and process.
-
-    Stages share nothing while graded (each runs in a scratch folder of its own), so running them
-    side by side changes no result, only the wall time; threads suffice since the work is in the
-    child processes. Results come back in stage order whatever order they finish in.
-    """
+          cell_timeout: int = DEFAULT_CELL_TIMEOUT_S) -> list[StageResult]:
     if not submission_dir.is_dir():
         raise GradeError(f"{submission_dir} is not a folder. Fix: pass the folder that holds the "
                          "learner's NN_name.ipynb notebooks")
@@ -286,5 +279,4 @@ def grade(submission_dir: Path, stages: list[str] | None = None,
         if unknown:
             raise GradeError(f"no stage {', '.join(unknown)}; stages: "
                              f"{', '.join(s.name[:2] for s in stage_sources())}")
-    with ThreadPoolExecutor(max_workers=jobs) as pool:
-        return list(pool.map(lambda source: grade_stage(source, submission_dir, cell_timeout), sources))
+    return [grade_stage(source, submission_dir, cell_timeout) for source in sources]
