@@ -7,7 +7,7 @@ import json
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 if TYPE_CHECKING:  # names for annotations only: see is_course_error for why nothing is imported up front
     from aie_lessons.model import LlamaModel
@@ -350,11 +350,10 @@ def _reset(args: argparse.Namespace) -> int:
     return 0
 
 
-def _lab(args: argparse.Namespace) -> int:
+def _lab(args: argparse.Namespace) -> NoReturn:
     from aie_lessons.course.lab import run_lab
 
-    run_lab(port=args.port, open_browser=not args.no_browser)  # becomes JupyterLab: no return
-    return 0
+    run_lab(port=args.port, open_browser=not args.no_browser)  # becomes JupyterLab: never returns
 
 
 def port_number(text: str) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import socket
 
 import nbformat
+import pytest
 
 from aie_lessons.course.build import NOTEBOOKS_DIR, SOLUTIONS_DIR, kernel_language_info, language_info
 from aie_lessons.course.lab import HOST, course_notebooks, free_port, lab_command, match_kernel_language
@@ -82,3 +83,20 @@ def test_only_the_course_notebooks_are_touched(tmp_path):
     for name in ("01_stage.ipynb", "my_r_notes.ipynb", "10_later.ipynb"):
         (tmp_path / name).write_text("{}")
     assert [p.name for p in course_notebooks(tmp_path)] == ["01_stage.ipynb", "10_later.ipynb"]
+
+
+def test_a_failed_write_leaves_the_notebook_and_no_temporary_file(tmp_path, monkeypatch):
+    import aie_lessons.course.lab as lab
+
+    path = tmp_path / "01_stage.ipynb"
+    notebook(path, "3.9.0")
+    before = path.read_text()
+
+    def disk_full(nb, fp):
+        fp.write('{"cells": [')
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(lab.nbformat, "write", disk_full)
+    with pytest.raises(OSError, match="No space left"):
+        match_kernel_language([path])
+    assert path.read_text() == before and [p.name for p in tmp_path.iterdir()] == ["01_stage.ipynb"]

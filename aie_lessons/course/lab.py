@@ -25,6 +25,7 @@ import socket
 import sys
 import tempfile
 from pathlib import Path
+from typing import NoReturn
 
 import nbformat
 
@@ -90,13 +91,17 @@ def match_kernel_language(notebooks: list[Path]) -> tuple[list[Path], list[str]]
         nb.metadata["language_info"] = info
         with tempfile.NamedTemporaryFile("w", dir=path.parent, suffix=".ipynb.tmp", delete=False,
                                          encoding="utf-8") as tmp:
-            nbformat.write(nb, tmp)
+            try:
+                nbformat.write(nb, tmp)
+            except BaseException:
+                os.unlink(tmp.name)  # the learner's notebook is untouched; leave no half-written copy
+                raise
         os.replace(tmp.name, path)
         changed.append(path)
     return changed, problems
 
 
-def run_lab(root_dir: Path = NOTEBOOKS_DIR, port: int | None = None, open_browser: bool = True) -> None:
+def run_lab(root_dir: Path = NOTEBOOKS_DIR, port: int | None = None, open_browser: bool = True) -> NoReturn:
     """Print where to open the notebooks and how to stop, then become JupyterLab (never returns)."""
     port = port or free_port()
     token = secrets.token_hex(16)

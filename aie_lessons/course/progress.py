@@ -14,11 +14,11 @@ import io
 import json
 import os
 import subprocess
-from concurrent.futures import ThreadPoolExecutor, as_completed
 import sys
 import textwrap
 import traceback
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path
 
