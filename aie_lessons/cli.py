@@ -324,7 +324,7 @@ def _grade(args: argparse.Namespace) -> int:
 def _status(args: argparse.Namespace) -> int:
     from aie_lessons.course.progress import status_table
 
-    print(status_table())
+    print(status_table(args.stages))
     return 0
 
 
@@ -451,6 +451,7 @@ def build_parser() -> argparse.ArgumentParser:
     lab.set_defaults(run=_lab)
 
     status = commands.add_parser("status", help="your stages: committed or reference, checks")
+    status.add_argument("stages", metavar="NN", nargs="*", help="only these stages (default: every stage)")
     status.set_defaults(run=_status)
 
     commit = commands.add_parser("commit", help="put your stage's code into aie_lessons")

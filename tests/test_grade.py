@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
+import subprocess
+import sys
 import xml.etree.ElementTree as ET
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import nbformat
 import pytest
@@ -280,9 +284,10 @@ def _stages_with_exercises():
     return [pytest.param(s, id=s.name) for s in load_stages(ROOTS) if s.exercises]
 
 
-def failed_with_one_mistake(stage, exercise: str) -> tuple[list[str], str]:
-    """The exercises whose sealed checks fail when only ``exercise`` raises a mistake, and its message."""
-    from aie_lessons.course.grade import grading_notebook, sealed_checks
+def with_one_mistake(stage, exercise: str) -> dict[str, str]:
+    """The stage's modules, as the grader builds them, from the reference notebook with only
+    ``exercise`` replaced by its stub raising a deliberate mistake."""
+    from aie_lessons.course.grade import grading_notebook, learner_modules
 
     cell_id = f"s{stage.number}-ex-{exercise.replace('.', '-')}"
     stub = next(c for c in nbformat.read(NOTEBOOKS_DIR / f"{stage.name}.ipynb", as_version=4).cells
@@ -291,18 +296,35 @@ def failed_with_one_mistake(stage, exercise: str) -> tuple[list[str], str]:
     wrong = re.sub(r"raise NotImplementedError\(.*\)", 'raise RuntimeError("a deliberate mistake")', stub.source)
     assert wrong != stub.source, f"{cell_id} has no stub to replace"
     next(c for c in learner.cells if c.get("id") == cell_id).source = wrong
-    verdicts = sealed_checks(stage.number, grading_notebook(solution(stage.name), learner), timeout=900)
-    return sorted(e for e, v in verdicts.items() if not v.passed), verdicts[exercise].message
+    return learner_modules(stage.number, grading_notebook(solution(stage.name), learner))
+
+
+def checks_per_version(number: str, versions: dict[str, dict[str, str]]) -> dict[str, list]:
+    """``tests/checks_per_version.py``: every version's check results, from one fresh Python."""
+    out = subprocess.run([sys.executable, "-P", str(Path(__file__).with_name("checks_per_version.py")), number],
+                         input=json.dumps(versions), capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 @pytest.mark.parametrize("stage", _stages_with_exercises())
 def test_each_wrong_exercise_fails_that_exercise_alone(stage, monkeypatch):
     """Each exercise's mistake is reported against it and no other: the checks give later
     exercises the reference versions of earlier ones (``checks.common.isolated``), so one wrong
-    function cannot fail the whole stage. Checked the way the grader checks, sealed: one run
-    per exercise."""
-    outcomes = two_at_a_time(lambda e: failed_with_one_mistake(stage, e), [e.id for e in stage.exercises],
-                             monkeypatch)
-    wrong = {e: (failed, message[:300]) for e, (failed, message) in outcomes.items()
-             if failed != [e] or "a deliberate mistake" not in message}
+    function cannot fail the whole stage. The modules are built as the grader builds them; the
+    versions run in two Pythons side by side, each loading one version's modules after another
+    (what the sealed run adds, its fingerprint, is tested by the cheats above)."""
+    ids = [e.id for e in stage.exercises]
+    versions = {e: with_one_mistake(stage, e) for e in ids}
+    halves = [{e: versions[e] for e in ids[i::2]} for i in range(2)]
+    outcomes = {}
+    for part in two_at_a_time(lambda i: checks_per_version(stage.number, halves[i]), [0, 1], monkeypatch).values():
+        outcomes |= part
+    assert sorted(outcomes) == sorted(ids)
+    wrong = {}
+    for exercise, results in outcomes.items():
+        failed = sorted(e for e, passed, _ in results if not passed)
+        message = next(m for e, _, m in results if e == exercise)
+        if failed != [exercise] or "a deliberate mistake" not in message:
+            wrong[exercise] = (failed, message[:300])
     assert not wrong, f"with only the exercise on the left wrong, these failed (and said): {wrong}"

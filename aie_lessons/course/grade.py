@@ -123,13 +123,11 @@ def sealed_checks(number: str, graded: nbformat.NotebookNode, timeout: int) -> d
     Cells the learner added are left out, and so is any module the stage does not export, so a
     learner cannot swap a piece of the engine the checks compare against.
     """
-    stage, expected, earlier = find_stage(number)
-    own = [c for c in graded.cells if not str(c.get("id", "")).startswith("extra-")]
+    stage = find_stage(number)[0]
     try:
-        texts = export_modules(own, f"notebooks/{stage.name}.ipynb", number, earlier)
+        texts = learner_modules(number, graded)
     except SourceError as exc:
         return _all_failed(stage, f"the notebook's exported cells do not form modules: {exc}")
-    texts = {module: text for module, text in texts.items() if module in expected}
     token = secrets.token_hex(16)
     with tempfile.TemporaryDirectory(prefix="aie-sealed-") as scratch:
         try:  # -P and a scratch folder: nothing next to the submission can shadow a module
@@ -148,6 +146,15 @@ def sealed_checks(number: str, graded: nbformat.NotebookNode, timeout: int) -> d
         detail = (out.stderr.strip().splitlines() or ["no output"])[-1]
         return _all_failed(stage, f"running the checks on your exported code failed: {detail}")
     return {r.exercise: r for r in results}
+
+
+def learner_modules(number: str, graded: nbformat.NotebookNode) -> dict[str, str]:
+    """The text of each module stage ``number`` exports, built from the grading notebook's own
+    cells (not the learner's added ones); a module the stage does not export is dropped."""
+    stage, expected, earlier = find_stage(number)
+    own = [c for c in graded.cells if not str(c.get("id", "")).startswith("extra-")]
+    texts = export_modules(own, f"notebooks/{stage.name}.ipynb", number, earlier)
+    return {module: text for module, text in texts.items() if module in expected}
 
 
 def _all_failed(stage, problem: str) -> dict[str, CheckResult]:

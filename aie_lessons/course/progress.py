@@ -239,10 +239,10 @@ def notebook_progress(stage: Stage, path: Path | None = None) -> NotebookProgres
     return NotebookProgress(len(written), len(passing), len(ids))
 
 
-def status_table() -> str:
-    """Each stage with exercises: the learner's own notebook (exercises written and passing, as
-    saved), whose code the package runs and how many of that code's checks pass, the modules the
-    stage exports and the first line of each failure."""
+def status_table(numbers: list[str] | None = None) -> str:
+    """Each stage with exercises (or only those numbered): the learner's own notebook (exercises
+    written and passing, as saved), whose code the package runs and how many of that code's checks
+    pass, the modules the stage exports and the first line of each failure."""
     lines = ["your notebook: the exercises you wrote, and those whose check passed when you last ran it "
              "and saved;",
              "aie_lessons: the code later stages import (the reference until you `aie commit NN`), and "
@@ -251,7 +251,8 @@ def status_table() -> str:
              f"{'stage':<24} {'your notebook (as saved)':<34} {'aie_lessons runs':<18} {'its checks':>10}"]
     all_stages = stages()
     exports = stage_module_table(all_stages, ROOTS)
-    checked = [s for s in all_stages if s.exercises]
+    wanted = {find_stage(number)[0].name for number in numbers or ()}  # an unknown number: ProgressError
+    checked = [s for s in all_stages if s.exercises and (not wanted or s.name in wanted)]
     # A stage's checks are mostly a fresh Python importing torch, one core's work: run one stage
     # per core, each with one thread, and show how far it has got (it takes half a minute).
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:

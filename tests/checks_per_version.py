@@ -1,0 +1,43 @@
+"""Run one stage's checks on several versions of the learner's modules in one Python.
+
+The grader's sealed run (``aie_lessons.course.sealed``) starts a fresh Python for every
+submission, and most of its five seconds go to importing torch, the checks and the course.
+A test that asks "which checks fail when only exercise X is wrong?" for every exercise of every
+stage needs dozens of such runs, and what it tests is the checks' isolation from each other, not
+the sealing (other tests cover that). So this child pays for the imports once: it imports what
+the sealed run trusts, then for each version serves the learner's modules from their text with
+the sealed run's own loader, runs the checks, and drops those modules before the next version.
+
+Usage (by tests/test_grade.py): ``python -P tests/checks_per_version.py NN`` with a JSON object
+``{version: {module: source text}}`` on stdin; the last line of stdout is a JSON object
+``{version: [[exercise, passed, message], ...]}``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from aie_lessons.course.progress import check_results, find_stage
+from aie_lessons.course.sealed import LearnerModules, import_trusted
+from aie_lessons.course.source import PACKAGE
+
+
+def checks_per_version(stage: str, versions: dict[str, dict[str, str]]) -> dict[str, list]:
+    import_trusted(stage)
+    trusted = set(sys.modules)
+    found, _, _ = find_stage(stage)
+    loader = LearnerModules({})
+    sys.meta_path.insert(0, loader)
+    outcomes = {}
+    for version, texts in versions.items():
+        for name in [m for m in sys.modules if m.startswith(f"{PACKAGE}.") and m not in trusted]:
+            del sys.modules[name]  # the previous version's modules, and any module that imported them
+        loader.texts = texts
+        outcomes[version] = [[r.exercise, r.passed, r.message] for r in check_results(found)]
+    return outcomes
+
+
+if __name__ == "__main__":
+    result = checks_per_version(sys.argv[1], json.loads(sys.stdin.read()))
+    print("\n" + json.dumps(result))
