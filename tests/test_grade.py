@@ -26,11 +26,6 @@ def solution(name: str = STAGE) -> nbformat.NotebookNode:
     return nbformat.read(SOLUTIONS_DIR / f"{name}.ipynb", as_version=4)
 
 
-def submit(tmp_path, nb: nbformat.NotebookNode, name: str = STAGE):
-    nbformat.write(nb, tmp_path / f"{name}.ipynb")
-    return tmp_path
-
-
 def exercises(result) -> dict[str, bool]:
     return {e.id: e.passed for e in result.exercises}
 
@@ -46,17 +41,14 @@ def test_make_test_grades_the_solution_notebooks():
     assert recipe.rstrip().endswith("[ $$tests -eq 0 ] && [ $$graded -eq 0 ]")  # either failing fails make test
 
 
-def test_untouched_learner_notebook_grades_zero_with_not_implemented(tmp_path):
-    shutil.copy(NOTEBOOKS_DIR / f"{STAGE}.ipynb", tmp_path)
-    [result] = grade(tmp_path, ["02"])
-    assert not result.passed and result.exercises
-    for exercise in result.exercises:
-        assert not exercise.passed
-        # Exercise 2.4's layer calls 2.1's split_heads, so its message may name 2.1.
-        assert "is not implemented yet" in exercise.message, exercise
+# --- stage 02 submissions, each graded end to end (nbval, then the sealed checks) ------------------
 
 
-def test_exactly_one_wrong_exercise_fails_exactly_that_exercise(tmp_path, capsys):
+def untouched() -> nbformat.NotebookNode:
+    return nbformat.read(NOTEBOOKS_DIR / f"{STAGE}.ipynb", as_version=4)
+
+
+def one_wrong_exercise() -> nbformat.NotebookNode:
     nb = solution()
     cell = next(c for c in nb.cells if c.get("id") == "s02-ex-2-3")
     assert "q.view(batch, num_kv_heads, heads // num_kv_heads" in cell.source
@@ -64,55 +56,114 @@ def test_exactly_one_wrong_exercise_fails_exactly_that_exercise(tmp_path, capsys
         "return q.view(batch, num_kv_heads, heads // num_kv_heads, seq, head_dim)",
         "return q.view(batch, heads // num_kv_heads, num_kv_heads, seq, head_dim).transpose(1, 2)",
     )
-    [result] = grade(submit(tmp_path, nb), ["02"])
-    assert exercises(result) == {"2.1": True, "2.2": True, "2.3": False, "2.4": True, "2.5": True}
-    wrong = next(e for e in result.exercises if e.id == "2.3")
-    assert "h % Hkv" in wrong.message
-    assert "exercise 2.3 failed" in format_report([result])
+    return nb
 
 
-def test_reordered_and_extra_cells_still_grade(tmp_path):
+def reordered_and_extra_cells() -> nbformat.NotebookNode:
     nb = solution()
     code = [i for i, c in enumerate(nb.cells) if c.cell_type == "code"]
     # Move a markdown cell to the end, swap nothing that changes meaning, add scratch cells.
     nb.cells.append(nb.cells.pop(0))
     nb.cells.insert(code[3], nbformat.v4.new_code_cell("scratch = 40 + 2\nprint(scratch)"))
     nb.cells.insert(1, nbformat.v4.new_code_cell("print('my notes')"))
-    [result] = grade(submit(tmp_path, nb), ["02"])
-    assert result.passed, format_report([result])
+    return nb
 
 
-def test_hand_edited_outputs_do_not_fool_the_grader(tmp_path):
-    learner = nbformat.read(NOTEBOOKS_DIR / f"{STAGE}.ipynb", as_version=4)
-    reference = {c.get("id"): c for c in solution().cells}
+def outputs_copied_from_the_reference() -> nbformat.NotebookNode:
+    learner, reference = untouched(), {c.get("id"): c for c in solution().cells}
     for cell in learner.cells:
         if cell.cell_type == "code":
             cell.outputs = reference[cell.get("id")].outputs
             cell.execution_count = reference[cell.get("id")].execution_count
-    [result] = grade(submit(tmp_path, learner), ["02"])
-    assert not any(e.passed for e in result.exercises)
+    return learner
 
 
-def test_edited_check_cell_does_not_pass_the_exercise(tmp_path):
-    learner = nbformat.read(NOTEBOOKS_DIR / f"{STAGE}.ipynb", as_version=4)
+def check_cell_edited() -> nbformat.NotebookNode:
+    learner = untouched()
     for cell in learner.cells:
         if cell.get("id") == "s02-check-2-1":
             cell.source = "print('✓ Exercise 2.1 passed: heads split as (B, S, H, D) → (B, H, S, D) and merged back')"
-    [result] = grade(submit(tmp_path, learner), ["02"])
-    assert exercises(result)["2.1"] is False
+    return learner
 
 
-def test_hanging_and_missing_cells_fail_their_exercise_not_the_grader(tmp_path):
+def hanging_and_missing_cells() -> nbformat.NotebookNode:
     nb = solution()
     nb.cells = [c for c in nb.cells if c.get("id") != "s02-ex-2-4"]  # missing
     for cell in nb.cells:
         if cell.get("id") == "s02-ex-2-1":  # hangs
             cell.source = "import time\ntime.sleep(600)\n" + cell.source
-    [result] = grade(submit(tmp_path, nb), ["02"], cell_timeout=10)
+    return nb
+
+
+def cheating() -> nbformat.NotebookNode:
+    nb = solution()
+    cell = next(c for c in nb.cells if c.get("id") == "s02-ex-2-1")
+    cell.source = cheating_cell(cell.source, "check-replaced")
+    return nb
+
+
+SUBMISSIONS = {f.__name__: f for f in (untouched, one_wrong_exercise, reordered_and_extra_cells,
+                                       outputs_copied_from_the_reference, check_cell_edited,
+                                       hanging_and_missing_cells, cheating)}
+
+
+@pytest.fixture(scope="module")
+def graded(tmp_path_factory):
+    """Each submission above graded once, two at a time (one thread each), for the tests below:
+    every grading is a fresh kernel running the notebook plus a sealed run of its checks."""
+    def grade_one(name: str):
+        folder = tmp_path_factory.mktemp(name)
+        nbformat.write(SUBMISSIONS[name](), folder / f"{STAGE}.ipynb")
+        timeout = {"cell_timeout": 10} if name == "hanging_and_missing_cells" else {}
+        [result] = grade(folder, ["02"], **timeout)
+        return result
+
+    with pytest.MonkeyPatch.context() as patch:
+        return two_at_a_time(grade_one, list(SUBMISSIONS), patch)
+
+
+def test_untouched_learner_notebook_grades_zero_with_not_implemented(graded):
+    result = graded["untouched"]
+    assert not result.passed and result.exercises
+    for exercise in result.exercises:
+        assert not exercise.passed
+        # Exercise 2.4's layer calls 2.1's split_heads, so its message may name 2.1.
+        assert "is not implemented yet" in exercise.message, exercise
+
+
+def test_exactly_one_wrong_exercise_fails_exactly_that_exercise(graded):
+    result = graded["one_wrong_exercise"]
+    assert exercises(result) == {"2.1": True, "2.2": True, "2.3": False, "2.4": True, "2.5": True}
+    wrong = next(e for e in result.exercises if e.id == "2.3")
+    assert "h % Hkv" in wrong.message
+    assert "exercise 2.3 failed" in format_report([result])
+
+
+def test_reordered_and_extra_cells_still_grade(graded):
+    result = graded["reordered_and_extra_cells"]
+    assert result.passed, format_report([result])
+
+
+def test_hand_edited_outputs_do_not_fool_the_grader(graded):
+    assert not any(e.passed for e in graded["outputs_copied_from_the_reference"].exercises)
+
+
+def test_edited_check_cell_does_not_pass_the_exercise(graded):
+    assert exercises(graded["check_cell_edited"])["2.1"] is False
+
+
+def test_hanging_and_missing_cells_fail_their_exercise_not_the_grader(graded):
+    result = graded["hanging_and_missing_cells"]
     status = exercises(result)
     assert status["2.1"] is False and status["2.4"] is False
     missing = next(e for e in result.exercises if e.id == "2.4")
     assert "missing from the submission" in missing.message
+
+
+def test_a_cheating_notebook_passes_its_check_cell_but_not_the_grade(graded):
+    """End to end: nbval alone would give 2.1 full marks; the sealed run takes them away."""
+    wrong = next(e for e in graded["cheating"].exercises if e.id == "2.1")
+    assert not wrong.passed and "its check, run on its own: your code changed" in wrong.message, wrong
 
 
 def test_missing_notebook_and_junit(tmp_path):
@@ -235,16 +286,6 @@ def test_the_sealed_checks_pass_every_solution(monkeypatch):
     for name, verdicts in checked.items():
         assert [e.id for e in with_exercises[name].exercises] == list(verdicts), name
         assert all(v.passed for v in verdicts.values()), verdicts
-
-
-def test_a_cheating_notebook_passes_its_check_cell_but_not_the_grade(tmp_path):
-    """End to end: nbval alone would give 2.1 full marks; the sealed run takes them away."""
-    nb = solution()
-    cell = next(c for c in nb.cells if c.get("id") == "s02-ex-2-1")
-    cell.source = cheating_cell(cell.source, "check-replaced")
-    [result] = grade(submit(tmp_path, nb), ["02"])
-    wrong = next(e for e in result.exercises if e.id == "2.1")
-    assert not wrong.passed and "its check, run on its own: your code changed" in wrong.message, wrong
 
 
 def test_every_exercise_lives_in_an_exported_cell():
