@@ -718,7 +718,7 @@ from aie_lessons.tokenizer import Tokenizer
 model = LlamaModel.from_pretrained(default_model_dir(), device=device)  # the kernel's device
 tokenizer = Tokenizer.from_pretrained(default_model_dir())
 prompt = [tokenizer.encode_chat("What is the capital of France?")]
-params = SamplingParams(max_new_tokens=6)
+params = SamplingParams(max_new_tokens=4)
 model.set_attention_backend("sdpa")
 reference = generate_cached(model, tokenizer, prompt, params)[0]
 model.set_attention_backend("flash")
