@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -19,6 +21,20 @@ pytestmark = pytest.mark.slow  # almost every test here starts the console scrip
 
 def run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([*AIE, *args], capture_output=True, text=True, timeout=600, env=env)
+
+
+def run_json_side_by_side(*commands: tuple[str, ...]) -> list[dict]:
+    """``aie ... --json`` for each command, two at a time with one thread each, in order. These
+    runs on the tiny model are mostly a Python starting and importing torch: one core's work."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+    def output(args: tuple[str, ...]) -> dict:
+        out = run(*args, env=env)
+        assert out.returncode == 0, (args, out.stderr[-2000:])
+        return json.loads(out.stdout)
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        return list(pool.map(output, commands))
 
 
 def test_generate_json_has_ids_text_and_timings(tiny_dir):
@@ -76,21 +92,21 @@ def test_chat_answer_about_france(real_model_dir):
 
 def test_the_four_loops_agree(tiny_untied_dir):
     args = ("generate", "The quick", "--model", str(tiny_untied_dir), "--max-new-tokens", "10", "--json")
-    cached = json.loads(run(*args).stdout)
+    loops = ("skeleton", "compiled", "engine")
+    cached, *others = run_json_side_by_side(args, *((*args, "--loop", loop) for loop in loops))
     assert len(set(cached["token_ids"])) > 3, "the model must produce varied tokens for this to mean anything"
-    for loop in ("skeleton", "compiled", "engine"):
-        result = json.loads(run(*args, "--loop", loop).stdout)
+    for loop, result in zip(loops, others):
         assert (result["token_ids"], result["text"]) == (cached["token_ids"], cached["text"]), loop
 
 
 def test_sampling_flags_sample_reproducibly(tiny_untied_dir):
     args = ("generate", "The quick", "--model", str(tiny_untied_dir), "--max-new-tokens", "10", "--json",
             "--temperature", "1.5", "--top-k", "50", "--top-p", "0.95", "--repetition-penalty", "1.1")
-    greedy = json.loads(run(*args[:7]).stdout)["token_ids"]
-    first, again = (json.loads(run(*args, "--seed", "5").stdout)["token_ids"] for _ in range(2))
-    other = json.loads(run(*args, "--seed", "6").stdout)["token_ids"]
+    greedy, first, again, other, unseeded = run_json_side_by_side(
+        args[:7], (*args, "--seed", "5"), (*args, "--seed", "5"), (*args, "--seed", "6"), args)
+    greedy, first, again, other = (r["token_ids"] for r in (greedy, first, again, other))
     assert first == again and first != greedy and other != first
-    unseeded = json.loads(run(*args).stdout)  # a seed is chosen, reported, and repeats the answer
+    # An unseeded run chooses a seed and reports it, and that seed repeats the answer.
     repeated = json.loads(run(*args, "--seed", str(unseeded["seed"])).stdout)
     assert isinstance(unseeded["seed"], int) and repeated["token_ids"] == unseeded["token_ids"]
 
