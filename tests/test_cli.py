@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+
+from side_by_side import two_at_a_time
 
 # The console script `pip install` made, as a user runs it (not `python -m`, which would also put
 # the working directory first on the import path).
@@ -23,18 +23,16 @@ def run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedPr
     return subprocess.run([*AIE, *args], capture_output=True, text=True, timeout=600, env=env)
 
 
-def run_json_side_by_side(*commands: tuple[str, ...]) -> list[dict]:
-    """``aie ... --json`` for each command, two at a time with one thread each, in order. These
-    runs on the tiny model are mostly a Python starting and importing torch: one core's work."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-
+def run_json_side_by_side(monkeypatch, *commands: tuple[str, ...]) -> list[dict]:
+    """``aie ... --json`` for each command, two at a time with one thread each, in order: runs on
+    the tiny model are mostly a Python starting and importing torch, one core's work."""
     def output(args: tuple[str, ...]) -> dict:
-        out = run(*args, env=env)
+        out = run(*args)
         assert out.returncode == 0, (args, out.stderr[-2000:])
         return json.loads(out.stdout)
 
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        return list(pool.map(output, commands))
+    outputs = two_at_a_time(lambda i: output(commands[i]), list(range(len(commands))), monkeypatch)
+    return [outputs[i] for i in range(len(commands))]  # by position: two commands may be the same
 
 
 def test_generate_json_has_ids_text_and_timings(tiny_dir):
@@ -90,23 +88,26 @@ def test_chat_answer_about_france(real_model_dir):
     assert "Paris" in out.stdout
 
 
-def test_the_four_loops_agree(tiny_untied_dir):
+def test_the_four_loops_agree(tiny_untied_dir, monkeypatch):
+    """The same tokens and text from every loop, all run with one thread (the tests of each loop
+    on the real model run with every core)."""
     args = ("generate", "The quick", "--model", str(tiny_untied_dir), "--max-new-tokens", "10", "--json")
     loops = ("skeleton", "compiled", "engine")
-    cached, *others = run_json_side_by_side(args, *((*args, "--loop", loop) for loop in loops))
+    cached, *others = run_json_side_by_side(monkeypatch, args, *((*args, "--loop", loop) for loop in loops))
     assert len(set(cached["token_ids"])) > 3, "the model must produce varied tokens for this to mean anything"
     for loop, result in zip(loops, others):
         assert (result["token_ids"], result["text"]) == (cached["token_ids"], cached["text"]), loop
 
 
-def test_sampling_flags_sample_reproducibly(tiny_untied_dir):
+def test_sampling_flags_sample_reproducibly(tiny_untied_dir, monkeypatch):
     args = ("generate", "The quick", "--model", str(tiny_untied_dir), "--max-new-tokens", "10", "--json",
             "--temperature", "1.5", "--top-k", "50", "--top-p", "0.95", "--repetition-penalty", "1.1")
     greedy, first, again, other, unseeded = run_json_side_by_side(
-        args[:7], (*args, "--seed", "5"), (*args, "--seed", "5"), (*args, "--seed", "6"), args)
+        monkeypatch, args[:7], (*args, "--seed", "5"), (*args, "--seed", "5"), (*args, "--seed", "6"), args)
     greedy, first, again, other = (r["token_ids"] for r in (greedy, first, again, other))
     assert first == again and first != greedy and other != first
-    # An unseeded run chooses a seed and reports it, and that seed repeats the answer.
+    # An unseeded run chooses a seed and reports it, and that seed repeats the answer (with the
+    # same one thread: OMP_NUM_THREADS is still set).
     repeated = json.loads(run(*args, "--seed", str(unseeded["seed"])).stdout)
     assert isinstance(unseeded["seed"], int) and repeated["token_ids"] == unseeded["token_ids"]
 
@@ -307,6 +308,7 @@ BAD_INPUTS = [
     (("commit", "02", "--notebook", "{tmp}/missing.ipynb"), "missing.ipynb does not exist"),
     (("reset", "42"), "there is no stage 42"),
     (("status", "42"), "there is no stage 42"),
+    (("status", "00"), "stage 00 has no exercises"),
     (("frobnicate",), "invalid choice: 'frobnicate'"),
 ]
 

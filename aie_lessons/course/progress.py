@@ -252,6 +252,10 @@ def status_table(numbers: list[str] | None = None) -> str:
     all_stages = stages()
     exports = stage_module_table(all_stages, ROOTS)
     wanted = {find_stage(number)[0].name for number in numbers or ()}  # an unknown number: ProgressError
+    for stage in all_stages:
+        if stage.name in wanted and not stage.exercises:
+            raise ProgressError(f"stage {stage.number} has no exercises, so nothing to check: "
+                                "name a stage that has (`aie status` lists them)")
     checked = [s for s in all_stages if s.exercises and (not wanted or s.name in wanted)]
     # A stage's checks are mostly a fresh Python importing torch, one core's work: run one stage
     # per core, each with one thread, and show how far it has got (it takes half a minute).
