@@ -1,0 +1,204 @@
+"""Checks for stage 08: int8 per-row quantization, int4 nibble packing, group-wise int4.
+
+Expected integers and scales are rebuilt here from the published rules (symmetric absmax
+scaling, round half to even as ``torch.round`` does, an offset of 8 for nibbles, the even column
+in the low bits) on random matrices of several shapes and dtypes, with an all-zero row and an
+all-zero group among them. When a result is wrong the checks try the usual wrong answers
+(a scale per column, truncation towards zero, a forgotten offset, swapped nibbles) to name it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from aie_lessons.checks.common import call, expect_shape, fail, isolated, passed
+
+SHAPES = ((4, 8), (7, 16), (3, 64), (16, 32))
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _weights(g: torch.Generator, rows: int, columns: int, dtype: torch.dtype) -> torch.Tensor:
+    """Random weights with rows of very different ranges, and row 1 all zeros."""
+    w = torch.randn(rows, columns, generator=g) * torch.logspace(-2, 0, rows)[:, None]
+    w[1] = 0
+    return w.to(dtype)
+
+
+def _int8_reference(w: torch.Tensor, *, per_column: bool = False, trunc: bool = False):
+    w = w.float()
+    scale = w.abs().amax(dim=0 if per_column else 1) / 127
+    scale = torch.where(scale == 0, torch.ones_like(scale), scale)
+    ratio = w / (scale[None, :] if per_column else scale[:, None])
+    q = (torch.trunc(ratio) if trunc else torch.round(ratio)).clamp(-127, 127).to(torch.int8)
+    return q, scale
+
+
+def check_quantize_int8(quantize_int8, dequantize_int8) -> None:
+    """8.1: q and scales against the rule for 4 shapes × 3 dtypes, with a zero row; the error of
+    every weight at most half its row's step."""
+    g = torch.Generator().manual_seed(8)
+    for rows, columns in SHAPES:
+        for dtype in DTYPES:
+            w = _weights(g, rows, columns, dtype)
+            got = call("8.1", quantize_int8, w)
+            if not (isinstance(got, tuple) and len(got) == 2):
+                fail("8.1", f"quantize_int8 returned {type(got).__name__}: return the pair (q, scale)")
+            q, scale = got
+            expect_shape("8.1", "q", q, (rows, columns))
+            if q.dtype != torch.int8:
+                fail("8.1", f"q has dtype {q.dtype}: store it as torch.int8 (one byte per weight)")
+            if isinstance(scale, torch.Tensor) and tuple(scale.shape) == (columns,) and rows != columns:
+                fail("8.1", f"scale has shape ({columns},), one per column (input): each output row "
+                            f"needs its own scale, shape ({rows},) — take the maximum over dim 1")
+            expect_shape("8.1", "scale", scale, (rows,))
+            if scale.dtype != torch.float32:
+                fail("8.1", f"scale has dtype {scale.dtype}: keep scales in float32")
+            if not torch.isfinite(scale).all() or (scale == 0).any():
+                fail("8.1", "an all-zero row got a zero (or non-finite) scale, so w / scale is 0 / 0: "
+                            "give such a row any non-zero scale, e.g. 1")
+            want_q, want_scale = _int8_reference(w)
+            if not torch.allclose(scale, want_scale, rtol=1e-6, atol=0):
+                fail("8.1", f"for a {dtype} matrix {rows}×{columns} the scales are {scale[:3].tolist()}…, "
+                            f"expected {want_scale[:3].tolist()}…: scale = the row's largest |w| / 127")
+            if not torch.equal(q, want_q):
+                if torch.equal(q, _int8_reference(w, trunc=True)[0]):
+                    fail("8.1", "q is truncated towards zero (.to(torch.int8) cuts off the fraction): "
+                                "round to the nearest integer first, with torch.round")
+                wrong = (q != want_q).nonzero()[0].tolist()
+                fail("8.1", f"q{wrong} is {q[tuple(wrong)].item()}, expected {want_q[tuple(wrong)].item()} "
+                            "= round(w / scale of its row)")
+            back = call("8.1", dequantize_int8, q, scale)
+            if (back - w.float()).abs().gt(scale[:, None] / 2 + 1e-6).any():
+                fail("8.1", "dequantize_int8(q, scale) is further from w than half a step somewhere")
+    passed("8.1", f"q and one scale per row for {len(SHAPES)} shapes in fp32, bf16 and fp16, an all-zero "
+                  "row included; every weight within half a step")
+
+
+def _pack_reference(q: torch.Tensor, *, offset: int = 8, even_low: bool = True) -> torch.Tensor:
+    u = (q.to(torch.int16) + offset).to(torch.uint8)
+    low, high = (u[..., 0::2], u[..., 1::2]) if even_low else (u[..., 1::2], u[..., 0::2])
+    return low | (high << 4)
+
+
+def _unpack_reference(packed: torch.Tensor) -> torch.Tensor:
+    return torch.stack([packed & 15, packed >> 4], dim=-1).flatten(-2).to(torch.int8) - 8
+
+
+def _nibbles(g: torch.Generator, rows: int, columns: int) -> torch.Tensor:
+    """Random values −8 … 7; with 16 or more entries, every value appears."""
+    q = torch.randint(-8, 8, (rows, columns), generator=g, dtype=torch.int8)
+    n = min(16, q.numel())
+    q.view(-1)[:n] = torch.arange(-8, -8 + n, dtype=torch.int8)
+    return q
+
+
+def check_pack_int4(pack_int4) -> None:
+    """8.2: the bytes of the worked example, then random values of 3 shapes, byte for byte."""
+    example = torch.tensor([[-3, 5, 7, -8]], dtype=torch.int8)
+    got = call("8.2", pack_int4, example)
+    expect_shape("8.2", "pack_int4 of a (1, 4) tensor", got, (1, 2))
+    if got.dtype != torch.uint8:
+        fail("8.2", f"the packed tensor has dtype {got.dtype}: return torch.uint8 (0 … 255, two nibbles)")
+    g = torch.Generator().manual_seed(9)
+    for rows, columns in ((1, 4), (4, 16), (3, 32)):
+        q = example if columns == 4 else _nibbles(g, rows, columns)
+        got = call("8.2", pack_int4, q)
+        expect_shape("8.2", f"pack_int4 of a ({rows}, {columns}) tensor", got, (rows, columns // 2))
+        want = _pack_reference(q)
+        if torch.equal(got, want):
+            continue
+        if torch.equal(got, _pack_reference(q, even_low=False)):
+            fail("8.2", "the nibbles are swapped: the even column goes in the low four bits, the odd "
+                        "column in the high four (byte = even | odd << 4)")
+        if torch.equal(got, _pack_reference(q, offset=0)):
+            fail("8.2", "the offset of 8 is missing: a negative value's bits spill into the other "
+                        "nibble; add 8 to every value first, so each lies in 0 … 15")
+        fail("8.2", f"pack_int4({q[:1, :4].tolist()}…) gave {got[:1, :2].tolist()}…, expected "
+                    f"{want[:1, :2].tolist()}…")
+    passed("8.2", "two values per byte, offset by 8, the even column in the low nibble; [−3, 5, 7, −8] "
+                  "→ [213, 15]")
+
+
+def check_unpack_int4(unpack_int4) -> None:
+    """8.3: the inverse of the reference packing, for every value and 3 shapes."""
+    g = torch.Generator().manual_seed(10)
+    for rows, columns in ((1, 4), (4, 16), (3, 32)):
+        q = _nibbles(g, rows, columns)
+        got = call("8.3", unpack_int4, _pack_reference(q))
+        expect_shape("8.3", f"unpack_int4 of a ({rows}, {columns // 2}) tensor", got, (rows, columns))
+        if got.dtype != torch.int8:
+            fail("8.3", f"the values have dtype {got.dtype}: return torch.int8")
+        if torch.equal(got, q):
+            continue
+        if torch.equal(got.to(torch.int16), q.to(torch.int16) + 8):
+            fail("8.3", "the values are still offset by 8 (0 … 15): subtract 8 to get −8 … 7 back")
+        swapped = q.view(rows, -1, 2).flip(-1).reshape(rows, columns)
+        if torch.equal(got, swapped):
+            fail("8.3", "each pair comes back swapped: the low nibble is the even column, the high "
+                        "nibble the odd one")
+        fail("8.3", f"unpacking gave {got[0, :6].tolist()}…, expected {q[0, :6].tolist()}…")
+    passed("8.3", "every value −8 … 7 comes back in its column")
+
+
+def _int4_reference(w: torch.Tensor, group_size: int, *, trunc: bool = False, levels: int = 15):
+    """(q, scales, zeros) by the rule: per group, the range min … max onto the levels."""
+    rows, columns = w.shape
+    groups = w.float().reshape(rows, columns // group_size, group_size)
+    low, high = groups.amin(dim=-1), groups.amax(dim=-1)
+    scales = (high - low) / levels
+    scales = torch.where(scales == 0, torch.ones_like(scales), scales)
+    ratio = (groups - low[..., None]) / scales[..., None]
+    q = ((torch.trunc(ratio) if trunc else torch.round(ratio)) - 8).clamp(-8, 7).to(torch.int8)
+    return q.reshape(rows, columns), scales, low + 8 * scales
+
+
+def check_quantize_int4(quantize_int4, dequantize_int4) -> None:
+    """8.4: packed values, scales and zeros for group sizes 8, 16 and 32 and 3 dtypes, with a
+    group of equal weights; dequantized, every weight within half a step of its group. The
+    learner's pack_int4 and unpack_int4 are swapped for the reference (8.2 and 8.3 check them)."""
+    g = torch.Generator().manual_seed(11)
+    with isolated(quantize_int4, pack_int4=_pack_reference), isolated(dequantize_int4, unpack_int4=_unpack_reference):
+        for group_size in (8, 16, 32):
+            for dtype in DTYPES:
+                w = _weights(g, 5, 64, dtype)
+                w[2, group_size:2 * group_size] = 0.25  # a group of equal weights in a non-zero row
+                got = call("8.4", quantize_int4, w, group_size)
+                if not (isinstance(got, tuple) and len(got) == 3):
+                    fail("8.4", f"quantize_int4 returned {type(got).__name__} of {len(got) if isinstance(got, tuple) else 1}: "
+                                "return (packed, scales, zeros)")
+                packed, scales, zeros = got
+                groups = 64 // group_size
+                if isinstance(scales, torch.Tensor) and tuple(scales.shape) in ((5,), (5, 1)):
+                    fail("8.4", "one scale per row: int4 needs one per group of group_size weights, "
+                                f"scales of shape (rows, columns / group_size) = (5, {groups})")
+                expect_shape("8.4", "scales", scales, (5, groups))
+                expect_shape("8.4", "zeros", zeros, (5, groups))
+                expect_shape("8.4", "packed", packed, (5, 32))
+                if not torch.isfinite(scales).all() or (scales == 0).any():
+                    fail("8.4", "a group of equal weights (max − min = 0) got a zero (or non-finite) "
+                                "scale: give it any non-zero scale, e.g. 1")
+                want_q, want_scales, want_zeros = _int4_reference(w, group_size)
+                if not torch.allclose(scales.float(), want_scales, rtol=1e-5, atol=0):
+                    if torch.allclose(scales.float(), _int4_reference(w, group_size, levels=16)[1], rtol=1e-5, atol=0):
+                        fail("8.4", "the scale divides the range by 16: 16 levels are 15 steps apart, "
+                                    "so scale = (max − min) / 15")
+                    fail("8.4", f"groups of {group_size}: scales {scales[0, :3].tolist()}…, expected "
+                                f"{want_scales[0, :3].tolist()}…: scale = (the group's max − its min) / 15")
+                if not torch.allclose(zeros.float(), want_zeros, rtol=1e-5, atol=1e-6):
+                    fail("8.4", f"groups of {group_size}: zeros {zeros[0, :3].tolist()}…, expected "
+                                f"{want_zeros[0, :3].tolist()}…: zero = min + 8 × scale, so that "
+                                "w ≈ q × scale + zero with q in −8 … 7")
+                if torch.equal(packed, _pack_reference(want_q)):
+                    back = call("8.4", dequantize_int4, packed, scales, zeros, group_size)
+                    if (back - w.float()).abs().gt(scales.repeat_interleave(group_size, 1) / 2 + 1e-5).any():
+                        fail("8.4", "dequantized, a weight is further than half a step from w")
+                    continue
+                if torch.equal(packed, _pack_reference(_int4_reference(w, group_size, trunc=True)[0])):
+                    fail("8.4", "the values are truncated towards zero: round to the nearest level")
+                if torch.equal(packed, _pack_reference(want_q + 8)):  # the levels 0 … 15, offset again
+                    fail("8.4", "the levels 0 … 15 were packed as they are: subtract 8 first, so that "
+                                "q is in −8 … 7 as pack_int4 expects")
+                fail("8.4", f"groups of {group_size} ({dtype}): the packed values differ from "
+                            "round((w − min) / scale) − 8 per group")
+    passed("8.4", "a scale and a zero per group (8, 16 and 32 wide) in fp32, bf16 and fp16, a group "
+                  "of equal weights included; every weight within half a step")
