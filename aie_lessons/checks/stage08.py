@@ -24,11 +24,11 @@ def _weights(g: torch.Generator, rows: int, columns: int, dtype: torch.dtype) ->
     return w.to(dtype)
 
 
-def _int8_reference(w: torch.Tensor, *, per_column: bool = False, trunc: bool = False):
+def _int8_reference(w: torch.Tensor, *, trunc: bool = False):
     w = w.float()
-    scale = w.abs().amax(dim=0 if per_column else 1) / 127
+    scale = w.abs().amax(dim=1) / 127
     scale = torch.where(scale == 0, torch.ones_like(scale), scale)
-    ratio = w / (scale[None, :] if per_column else scale[:, None])
+    ratio = w / scale[:, None]
     q = (torch.trunc(ratio) if trunc else torch.round(ratio)).clamp(-127, 127).to(torch.int8)
     return q, scale
 
@@ -57,16 +57,25 @@ def check_quantize_int8(quantize_int8, dequantize_int8) -> None:
                 fail("8.1", "an all-zero row got a zero (or non-finite) scale, so w / scale is 0 / 0: "
                             "give such a row any non-zero scale, e.g. 1")
             want_q, want_scale = _int8_reference(w)
-            if not torch.allclose(scale, want_scale, rtol=1e-6, atol=0):
-                fail("8.1", f"for a {dtype} matrix {rows}×{columns} the scales are {scale[:3].tolist()}…, "
-                            f"expected {want_scale[:3].tolist()}…: scale = the row's largest |w| / 127")
-            if not torch.equal(q, want_q):
+            varied = w.float().abs().amax(dim=1) > 0  # an all-zero row may take any non-zero scale
+            if not torch.allclose(scale[varied], want_scale[varied], rtol=1e-6, atol=0):
+                row = int((~torch.isclose(scale, want_scale, rtol=1e-6, atol=0) & varied).nonzero()[0])
+                low_precision = (w.abs().amax(dim=1) / 127).float()
+                if dtype != torch.float32 and torch.allclose(scale[varied], low_precision[varied], rtol=1e-6, atol=0):
+                    fail("8.1", f"the scales were computed in {dtype}, which rounds them: convert the weight "
+                                "with .float() first, then compute the scale")
+                fail("8.1", f"for a {dtype} matrix {rows}×{columns}, row {row}'s scale is {scale[row].item():.6g}, "
+                            f"expected {want_scale[row].item():.6g}: scale = the row's largest |w| / 127")
+            # Nearest means within half a step; at an exact half either neighbour is nearest.
+            ratio = w.float() / scale[:, None]
+            off = (q.float() - ratio).abs() > 0.5 + 1e-4
+            if off.any():
                 if torch.equal(q, _int8_reference(w, trunc=True)[0]):
                     fail("8.1", "q is truncated towards zero (.to(torch.int8) cuts off the fraction): "
                                 "round to the nearest integer first, with torch.round")
-                wrong = (q != want_q).nonzero()[0].tolist()
-                fail("8.1", f"q{wrong} is {q[tuple(wrong)].item()}, expected {want_q[tuple(wrong)].item()} "
-                            "= round(w / scale of its row)")
+                r, c = (int(i) for i in off.nonzero()[0])
+                fail("8.1", f"q[{r}, {c}] is {q[r, c].item()}, but w / scale there is {ratio[r, c].item():.3f}: "
+                            "q must be the nearest integer to w / (its row's scale)")
             back = call("8.1", dequantize_int8, q, scale)
             if (back - w.float()).abs().gt(scale[:, None] / 2 + 1e-6).any():
                 fail("8.1", "dequantize_int8(q, scale) is further from w than half a step somewhere")
@@ -136,7 +145,10 @@ def check_unpack_int4(unpack_int4) -> None:
         if torch.equal(got, swapped):
             fail("8.3", "each pair comes back swapped: the low nibble is the even column, the high "
                         "nibble the odd one")
-        fail("8.3", f"unpacking gave {got[0, :6].tolist()}…, expected {q[0, :6].tolist()}…")
+        r, c = (int(i) for i in (got != q).nonzero()[0])
+        hint = (" (an int8 byte ≥ 128 is negative, and >> then shifts in ones: shift the uint8 bytes "
+                "before converting)" if c % 2 else "")
+        fail("8.3", f"value [{r}, {c}] came back as {got[r, c].item()}, expected {q[r, c].item()}{hint}")
     passed("8.3", "every value −8 … 7 comes back in its column")
 
 
@@ -174,31 +186,55 @@ def check_quantize_int4(quantize_int4, dequantize_int4) -> None:
                 expect_shape("8.4", "scales", scales, (5, groups))
                 expect_shape("8.4", "zeros", zeros, (5, groups))
                 expect_shape("8.4", "packed", packed, (5, 32))
+                for name, value in (("scales", scales), ("zeros", zeros)):
+                    if value.dtype != torch.float32:
+                        fail("8.4", f"{name} have dtype {value.dtype}: compute and keep them in float32 "
+                                    "(convert the weight with .float() first)")
                 if not torch.isfinite(scales).all() or (scales == 0).any():
                     fail("8.4", "a group of equal weights (max − min = 0) got a zero (or non-finite) "
                                 "scale: give it any non-zero scale, e.g. 1")
                 want_q, want_scales, want_zeros = _int4_reference(w, group_size)
-                if not torch.allclose(scales.float(), want_scales, rtol=1e-5, atol=0):
-                    if torch.allclose(scales.float(), _int4_reference(w, group_size, levels=16)[1], rtol=1e-5, atol=0):
+                grouped = w.float().reshape(5, groups, group_size)
+                low = grouped.amin(dim=-1)
+                varied = grouped.amax(dim=-1) > low  # a group of equal weights may take any non-zero scale
+                differs = ~torch.isclose(scales.float(), want_scales, rtol=1e-5, atol=0) & varied
+                if differs.any():
+                    if torch.allclose(scales.float()[varied], _int4_reference(w, group_size, levels=16)[1][varied],
+                                      rtol=1e-5, atol=0):
                         fail("8.4", "the scale divides the range by 16: 16 levels are 15 steps apart, "
                                     "so scale = (max − min) / 15")
-                    fail("8.4", f"groups of {group_size}: scales {scales[0, :3].tolist()}…, expected "
-                                f"{want_scales[0, :3].tolist()}…: scale = (the group's max − its min) / 15")
-                if not torch.allclose(zeros.float(), want_zeros, rtol=1e-5, atol=1e-6):
-                    fail("8.4", f"groups of {group_size}: zeros {zeros[0, :3].tolist()}…, expected "
-                                f"{want_zeros[0, :3].tolist()}…: zero = min + 8 × scale, so that "
-                                "w ≈ q × scale + zero with q in −8 … 7")
-                if torch.equal(packed, _pack_reference(want_q)):
-                    back = call("8.4", dequantize_int4, packed, scales, zeros, group_size)
-                    if (back - w.float()).abs().gt(scales.repeat_interleave(group_size, 1) / 2 + 1e-5).any():
-                        fail("8.4", "dequantized, a weight is further than half a step from w")
-                    continue
-                if torch.equal(packed, _pack_reference(_int4_reference(w, group_size, trunc=True)[0])):
-                    fail("8.4", "the values are truncated towards zero: round to the nearest level")
-                if torch.equal(packed, _pack_reference(want_q + 8)):  # the levels 0 … 15, offset again
-                    fail("8.4", "the levels 0 … 15 were packed as they are: subtract 8 first, so that "
-                                "q is in −8 … 7 as pack_int4 expects")
-                fail("8.4", f"groups of {group_size} ({dtype}): the packed values differ from "
-                            "round((w − min) / scale) − 8 per group")
+                    r, k = (int(i) for i in differs.nonzero()[0])
+                    fail("8.4", f"groups of {group_size}: group {k} of row {r} has scale {scales[r, k].item():.6g}, "
+                                f"expected {want_scales[r, k].item():.6g} = (the group's max − its min) / 15")
+                differs = ~torch.isclose(zeros.float(), want_zeros, rtol=1e-5, atol=1e-6) & varied
+                if differs.any():
+                    r, k = (int(i) for i in differs.nonzero()[0])
+                    fail("8.4", f"groups of {group_size}: group {k} of row {r} has zero {zeros[r, k].item():.6g}, "
+                                f"expected {want_zeros[r, k].item():.6g} = min + 8 × scale (a float: the weight "
+                                "that q = 0 stands for), so that w ≈ q × scale + zero with q in −8 … 7")
+                q = _unpack_reference(packed).float().reshape(5, groups, group_size)
+                levels = (grouped - low[..., None]) / scales.float()[..., None]
+                off = ((q + 8 - levels).abs() > 0.5 + 1e-4) & varied[..., None]
+                if off.any():
+                    if torch.equal(packed, _pack_reference(_int4_reference(w, group_size, trunc=True)[0])):
+                        fail("8.4", "the values are truncated towards zero: round to the nearest level")
+                    if torch.equal(packed, _pack_reference(want_q + 8)):  # the levels 0 … 15, offset again
+                        fail("8.4", "the levels 0 … 15 were packed as they are: subtract 8 first, so that "
+                                    "q is in −8 … 7 as pack_int4 expects")
+                    r, k, j = (int(i) for i in off.nonzero()[0])
+                    fail("8.4", f"groups of {group_size} ({dtype}): weight {k * group_size + j} of row {r} was "
+                                f"stored as q = {int(q[r, k, j])}, but (w − min) / scale − 8 there is "
+                                f"{levels[r, k, j].item() - 8:.3f}: q must be the nearest level, minus 8")
+                back = (q * scales.float()[..., None] + zeros.float()[..., None]).reshape(5, 64)
+                error = (back - w.float()).abs()
+                if error.gt(scales.float().repeat_interleave(group_size, 1) / 2 + 1e-5).any():
+                    r, c = (int(i) for i in error.gt(scales.float().repeat_interleave(group_size, 1) / 2 + 1e-5).nonzero()[0])
+                    constant = not varied[r, c // group_size]
+                    fail("8.4", f"weight {c} of row {r} ({w[r, c].item():.4g}) comes back as {back[r, c].item():.4g}"
+                                + (": in a group of equal weights, compute the zero point after replacing the zero "
+                                   "scale" if constant else ", more than half a step away"))
+                got_back = call("8.4", dequantize_int4, packed, scales, zeros, group_size)
+                if not torch.allclose(got_back, back, atol=1e-6):
+                    fail("8.4", "dequantize_int4 does not give q × scale + zero")
     passed("8.4", "a scale and a zero per group (8, 16 and 32 wide) in fp32, bf16 and fp16, a group "
                   "of equal weights included; every weight within half a step")
