@@ -226,9 +226,9 @@ def check_quantize_int4(quantize_int4, dequantize_int4) -> None:
                                 f"stored as q = {int(q[r, k, j])}, but (w − min) / scale − 8 there is "
                                 f"{levels[r, k, j].item() - 8:.3f}: q must be the nearest level, minus 8")
                 back = (q * scales.float()[..., None] + zeros.float()[..., None]).reshape(5, 64)
-                error = (back - w.float()).abs()
-                if error.gt(scales.float().repeat_interleave(group_size, 1) / 2 + 1e-5).any():
-                    r, c = (int(i) for i in error.gt(scales.float().repeat_interleave(group_size, 1) / 2 + 1e-5).nonzero()[0])
+                too_far = (back - w.float()).abs() > scales.float().repeat_interleave(group_size, 1) / 2 + 1e-5
+                if too_far.any():
+                    r, c = (int(i) for i in too_far.nonzero()[0])
                     constant = not varied[r, c // group_size]
                     fail("8.4", f"weight {c} of row {r} ({w[r, c].item():.4g}) comes back as {back[r, c].item():.4g}"
                                 + (": in a group of equal weights, compute the zero point after replacing the zero "
