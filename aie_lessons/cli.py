@@ -123,6 +123,12 @@ def _loop(args: argparse.Namespace, count: int) -> str:
                          "drop --loop, or use --loop engine")
     if loop == "compiled" and args.activations != "float32":
         raise UsageError("--loop compiled computes in float32: drop --activations bfloat16")
+    if loop == "compiled" and args.quant:
+        raise UsageError("--loop compiled fuses float weights and cannot read quantized ones: drop --quant, "
+                         "or use the engine or the cached loop")
+    if args.quant_head and not args.quant:
+        raise UsageError("--quant-head quantizes the output head with the scheme of --quant. Fix: add "
+                         "--quant SCHEME")
     if loop == "engine":
         from aie_lessons.engine.scheduler import SchedulerConfig
 
@@ -274,8 +280,14 @@ def _generate(args: argparse.Namespace) -> int:
     params = _sampling_params(args)  # bad values are refused before the model is loaded
     model_dir = Path(args.model) if args.model else default_model_dir()
     tokenizer = Tokenizer.from_pretrained(model_dir)
-    model = LlamaModel.from_pretrained(model_dir, dtype=getattr(torch, args.dtype), device=args.device,
-                                       activations=getattr(torch, args.activations))
+    weights = {"dtype": getattr(torch, args.dtype), "device": args.device,
+               "activations": getattr(torch, args.activations)}
+    if args.quant:  # stage 08: quantized once, then read from the checkpoint's quantized/ folder
+        from aie_lessons.quantized_checkpoint import quantized_model
+
+        model = quantized_model(model_dir, args.quant, head=args.quant_head, **weights)
+    else:
+        model = LlamaModel.from_pretrained(model_dir, **weights)
     encode = tokenizer.encode_chat if args.chat else tokenizer.encode
     if loop == "engine":
         _run_engine(args, model, tokenizer, prompts, [encode(p) for p in prompts], params)
@@ -379,6 +391,8 @@ class Parser(argparse.ArgumentParser):
 
 DEFAULT_MAX_SEQS, DEFAULT_TOKEN_BUDGET = 16, 256  # the engine's own defaults (Engine.from_model)
 BLOCK_SIZE = 16  # tokens per KV block of the paged engine
+# Stage 08's SCHEMES, named here so that `aie --help` does not import torch (a test keeps them equal).
+QUANT_SCHEMES = ("int8", "int4-g192", "int4-g64", "int4-g32")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -430,6 +444,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--activations", choices=["float32", "bfloat16"], default="float32",
                      help="what the model computes in (stage 04, section 7 measures the choice); "
                           "logits are float32 either way")
+    gen.add_argument("--quant", choices=QUANT_SCHEMES, metavar="SCHEME",
+                     help=f"quantize the blocks' weights (stage 08): {', '.join(QUANT_SCHEMES)}; made once, "
+                          "then read from the checkpoint's quantized/ folder")
+    gen.add_argument("--quant-head", action="store_true", help="with --quant: the output head too")
     gen.add_argument("--device", default="cpu", help="cpu or cuda")
     gen.add_argument("--model", metavar="DIR", help="checkpoint folder (default: the fetched model)")
     gen.set_defaults(run=_generate)

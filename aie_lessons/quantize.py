@@ -9,6 +9,7 @@ memory-bound decode step needs; the price is a rounding error that stage 08 meas
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -94,52 +95,140 @@ SCHEMES = {s.name: s for s in (QuantScheme("int8", 8), QuantScheme("int4-g192", 
                                QuantScheme("int4-g64", 4, 64), QuantScheme("int4-g32", 4, 32))}
 
 
+def scheme_named(scheme: QuantScheme | str) -> QuantScheme:
+    """A scheme, or its name: an unknown name lists the ones there are."""
+    if isinstance(scheme, QuantScheme):
+        return scheme
+    if scheme not in SCHEMES:
+        raise ValueError(f"unknown scheme {scheme!r}: choose one of {', '.join(SCHEMES)}")
+    return SCHEMES[scheme]
+
+
+# Up to this many rows (tokens of a step), the CPU integer kernels beat rebuilding the weight;
+# section 6 of stage 08 measures the crossover (about 16 rows for int8 on the Xeon it was written on).
+KERNEL_MAX_ROWS = 16
+# The plain path rebuilds this many output rows of a weight at a time (see _plain_forward).
+PLAIN_CHUNK_ROWS = 1024
+
+
+INT4_KERNEL_GROUP_SIZES = (32, 64, 128, 256)  # the only ones _weight_int4pack_mm_for_cpu takes
+
+
+def cpu_kernels_available(scheme: QuantScheme) -> bool:
+    """Whether this PyTorch has a CPU weight-only kernel for ``scheme`` (they came in 2.4–2.6)."""
+    if scheme.bits == 8:
+        return hasattr(torch.ops.aten, "_weight_int8pack_mm")
+    return (scheme.group_size in INT4_KERNEL_GROUP_SIZES
+            and hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"))
+
+
 class QuantizedLinear(nn.Module):
     """A linear layer (no bias) whose weight is held as integers, scales and (int4) zeros."""
 
-    def __init__(self, weight: torch.Tensor, scheme: QuantScheme) -> None:
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, scheme: QuantScheme,
+                 kernels: bool = True) -> None:
         super().__init__()
         self.scheme = scheme
-        self.out_features, self.in_features = weight.shape
-        if scheme.bits == 8:
-            q, scale = quantize_int8(weight)
-            zero = scale.new_zeros(0)  # int8 is symmetric: no zero point, but the same buffers
-        else:
-            q, scale, zero = quantize_int4(weight, scheme.group_size)
+        self.out_features = q.shape[0]
+        self.in_features = q.shape[1] * (2 if scheme.bits == 4 else 1)  # int4: two per byte
         self.register_buffer("q", q)
         self.register_buffer("scale", scale)
-        self.register_buffer("zero", zero)
+        self.register_buffer("zero", zero)  # int8 is symmetric: an empty zero, the same buffers
+        self.kernels = kernels and cpu_kernels_available(scheme)
+        self._kernel_weights: tuple[torch.Tensor, torch.Tensor] | None = None  # made on first use
 
-    def dequantized(self) -> torch.Tensor:
-        """The float32 weight: what the integers stand for, rebuilt at every call."""
+    @classmethod
+    def quantize(cls, weight: torch.Tensor, scheme: QuantScheme, kernels: bool = True) -> "QuantizedLinear":
+        """The layer holding ``weight`` (out, in) quantized with ``scheme``."""
+        if scheme.bits == 8:
+            q, scale = quantize_int8(weight)
+            return cls(q, scale, scale.new_zeros(0), scheme, kernels)
+        return cls(*quantize_int4(weight, scheme.group_size), scheme, kernels)
+
+    def dequantized(self, rows: slice = slice(None)) -> torch.Tensor:
+        """The float32 weight (or some of its output ``rows``): what the integers stand for."""
         if self.scheme.bits == 8:
-            return dequantize_int8(self.q, self.scale)
-        return dequantize_int4(self.q, self.scale, self.zero, self.scheme.group_size)
+            return dequantize_int8(self.q[rows], self.scale[rows])
+        return dequantize_int4(self.q[rows], self.scale[rows], self.zero[rows], self.scheme.group_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """The reference path: rebuild the weight, then multiply in the input's dtype."""
-        return F.linear(x, self.dequantized().to(x.dtype))
+        flat = x.reshape(-1, self.in_features)
+        if (self.kernels and x.dtype == torch.bfloat16 and x.device.type == "cpu"
+                and flat.shape[0] <= KERNEL_MAX_ROWS):
+            out = self._kernel_forward(flat)
+        else:
+            out = self._plain_forward(flat)
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+    def _plain_forward(self, flat: torch.Tensor) -> torch.Tensor:
+        """Rebuild the weight ``PLAIN_CHUNK_ROWS`` output rows at a time and multiply each block
+        at once, while it is still in the CPU's cache: rebuilding the 49152-row head whole would
+        write (and read back) a 113 MB float copy per call. int8 scales the outputs instead of
+        the weight: the row's scale leaves the sum."""
+        out = torch.empty(flat.shape[0], self.out_features, dtype=flat.dtype, device=flat.device)
+        for start in range(0, self.out_features, PLAIN_CHUNK_ROWS):
+            rows = slice(start, start + PLAIN_CHUNK_ROWS)
+            if self.scheme.bits == 8:
+                out[:, rows] = F.linear(flat, self.q[rows].to(flat.dtype)) * self.scale[rows].to(flat.dtype)
+            else:
+                out[:, rows] = F.linear(flat, self.dequantized(rows).to(flat.dtype))
+        return out
+
+    def _kernel_forward(self, flat: torch.Tensor) -> torch.Tensor:
+        """PyTorch's CPU kernels: the integers are multiplied as they are, scales in bf16."""
+        if self._kernel_weights is None:
+            self._kernel_weights = self._kernel_layout()
+        weights, scales = self._kernel_weights
+        if self.scheme.bits == 8:
+            return torch.ops.aten._weight_int8pack_mm(flat, weights, scales)
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(flat, weights, self.scheme.group_size, scales)
+
+    @torch.no_grad()
+    def _kernel_layout(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The weights as the kernels read them. int4: levels 0 … 15 in the kernel's own tiles,
+        and (groups, out, 2) pairs of scale and zero — our zero, ``min + 8 × scale``, is the one
+        its ``q × scale + zero`` over levels shifted by 8 wants."""
+        if self.scheme.bits == 8:
+            return self.q, self.scale.to(torch.bfloat16)
+        levels = unpack_int4(self.q).to(torch.int32) - INT4_MIN
+        tiled = torch.ops.aten._convert_weight_to_int4pack_for_cpu(levels, 1)
+        pairs = torch.stack([self.scale, self.zero], dim=-1).transpose(0, 1).contiguous()
+        return tiled, pairs.to(torch.bfloat16)
 
     def extra_repr(self) -> str:
         return f"{self.in_features} → {self.out_features}, {self.scheme.name}"
 
 
-def quantize_model(model: LlamaModel, scheme: QuantScheme | str, head: bool = False) -> LlamaModel:
+def block_linear_names(model: LlamaModel) -> list[str]:
+    """The names of the blocks' linear layers, e.g. ``layers.3.mlp.down_proj``: 7 per block."""
+    return [name for name, module in model.layers.named_modules(prefix="layers")
+            if isinstance(module, (nn.Linear, QuantizedLinear))]
+
+
+def quantize_model(model: LlamaModel, scheme: QuantScheme | str, head: bool = False,
+                   overrides: Mapping[str, QuantScheme | str] | None = None,
+                   kernels: bool = True) -> LlamaModel:
     """Replace the blocks' linear layers (and with ``head`` the output head) by quantized ones,
-    in place. A tied head gets its own quantized copy; the embedding lookup keeps the table."""
-    if isinstance(scheme, str):
-        if scheme not in SCHEMES:
-            raise ValueError(f"unknown scheme {scheme!r}: choose one of {', '.join(SCHEMES)}")
-        scheme = SCHEMES[scheme]
-    for block in model.layers:
-        for parent in (block.self_attn, block.mlp):
-            for name, child in list(parent.named_children()):
-                if isinstance(child, nn.Linear):
-                    if child.bias is not None:
-                        raise ValueError(f"{name} has a bias: these quantized layers take none")
-                    setattr(parent, name, QuantizedLinear(child.weight.detach(), scheme))
+    in place. ``overrides`` maps layer names, or a prefix such as ``layers.3``, to another
+    scheme. A tied head gets its own quantized copy; the embedding lookup keeps the table."""
+    scheme = scheme_named(scheme)
+    overrides = {prefix: scheme_named(s) for prefix, s in (overrides or {}).items()}
+    names = block_linear_names(model)
+    for prefix in overrides:
+        if not any(name == prefix or name.startswith(prefix + ".") for name in names):
+            raise ValueError(f"override {prefix!r} names no linear layer of the blocks "
+                             f"(they are named like {names[0]!r} or 'layers.0')")
+    for name in names:
+        layer = model.get_submodule(name)
+        if not isinstance(layer, nn.Linear):
+            raise ValueError(f"{name} is quantized already: quantize a model loaded afresh")
+        if layer.bias is not None:
+            raise ValueError(f"{name} has a bias: these quantized layers take none")
+        chosen = [s for prefix, s in overrides.items() if name == prefix or name.startswith(prefix + ".")]
+        layer_scheme = chosen[-1] if chosen else scheme
+        model.set_submodule(name, QuantizedLinear.quantize(layer.weight.detach(), layer_scheme, kernels))
     if head:
-        model.lm_head = QuantizedLinear(model.lm_head.weight.detach(), scheme)
+        model.lm_head = QuantizedLinear.quantize(model.lm_head.weight.detach(), scheme, kernels)
     return model
 
 

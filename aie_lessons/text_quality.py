@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -56,3 +57,22 @@ def text_quality(reference: LlamaModel, models: dict[str, LlamaModel], ids: list
                               kl[name] / positions if name in models else 0.0,
                               top1[name] / positions if name in models else 1.0)
             for name in everyone}
+
+
+@torch.inference_mode()
+def perplexity(model: LlamaModel, ids: list[int], window: int = 256, progress: bool = True) -> float:
+    """``model``'s perplexity on ``ids`` in whole windows: one model, no reference to compare."""
+    return text_quality(model, {}, ids, window, progress)["reference"].perplexity
+
+
+class ThroughCache(torch.nn.Module):
+    """``model(ids)``, with every window prefilled through a fresh cache from ``make_cache(shape)``:
+    attention then uses the keys and values the cache gives back, as decode steps would."""
+
+    def __init__(self, model: LlamaModel, make_cache: Callable[[torch.Size], object]) -> None:
+        super().__init__()
+        self.model, self.make_cache = model, make_cache
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
+        return self.model(ids, positions, cache=self.make_cache(ids.shape), cache_start=0)

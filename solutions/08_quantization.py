@@ -36,6 +36,7 @@ verify_committed_stages(before="08")
 # %%
 import matplotlib.pyplot as plt
 import torch
+from tqdm.auto import tqdm
 
 from aie_lessons import checks
 from aie_lessons.infra.paths import DATA_DIR, default_model_dir
@@ -92,6 +93,7 @@ memory-bound decode step needs; the price is a rounding error that stage 08 meas
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -312,12 +314,25 @@ print(f"block projections reproduced exactly by int4 in groups of 32: {exact} of
 # ## 4. Quantized layers in the model
 #
 # A `QuantizedLinear` keeps the integers and the scales as buffers and replaces an `nn.Linear`
-# of the model. Its forward dequantizes and multiplies — the plain reference path, as exact as
-# the scheme allows. (It reads fewer bytes of weights, but then writes a float copy of the whole
-# weight at every call; kernels that multiply the integers directly, without that copy, are
-# where the speed comes from.) `quantize_model` swaps every linear layer of the blocks; the output head, which is the
+# of the model. Its plain path multiplies by the integers turned back into floats — exact to the
+# scheme, but it reads fewer bytes of weights only to make a float copy of them at every call.
+# It makes that copy 1024 output rows at a time, each block multiplied while it is still in the
+# CPU's cache (like stage 04's `Linear`), so the copy of a large matrix never goes out to memory.
+# For int8 it takes the shortcut of section 2: the row's scale leaves the sum, so the layer
+# multiplies by the integers as floats and scales the outputs, `y = (x · qᵀ) × scale`, and never
+# builds the scaled matrix. int4's scales change along a row, every 32–192 inputs, so they cannot
+# leave the sum: its plain path rebuilds the float weight.
+#
+# PyTorch also has CPU kernels that multiply by the integers directly, with bf16 inputs:
+# `_weight_int8pack_mm` and `_weight_int4pack_mm_for_cpu` (the latter wants the weights in its
+# own tiled layout, made once, and groups of 32, 64, 128 or 256: not 192). They are matrix–vector kernels, fast for a few rows at a time —
+# section 6 measures where they stop paying — and they keep the scales in bf16, so they
+# differ from the plain path in the last bits. The layer takes them when they apply: bf16
+# inputs, on the CPU, at most `KERNEL_MAX_ROWS` rows.
+#
+# `quantize_model` swaps every linear layer of the blocks; the output head, which is the
 # embedding table when the two are tied, stays in fp32 unless asked for, because every logit
-# goes through it.
+# goes through it. `overrides` gives some layers another scheme (section 8 uses it).
 
 # %%
 # export: quantize
@@ -342,52 +357,140 @@ SCHEMES = {s.name: s for s in (QuantScheme("int8", 8), QuantScheme("int4-g192", 
                                QuantScheme("int4-g64", 4, 64), QuantScheme("int4-g32", 4, 32))}
 
 
+def scheme_named(scheme: QuantScheme | str) -> QuantScheme:
+    """A scheme, or its name: an unknown name lists the ones there are."""
+    if isinstance(scheme, QuantScheme):
+        return scheme
+    if scheme not in SCHEMES:
+        raise ValueError(f"unknown scheme {scheme!r}: choose one of {', '.join(SCHEMES)}")
+    return SCHEMES[scheme]
+
+
+# Up to this many rows (tokens of a step), the CPU integer kernels beat rebuilding the weight;
+# section 6 of stage 08 measures the crossover (about 16 rows for int8 on the Xeon it was written on).
+KERNEL_MAX_ROWS = 16
+# The plain path rebuilds this many output rows of a weight at a time (see _plain_forward).
+PLAIN_CHUNK_ROWS = 1024
+
+
+INT4_KERNEL_GROUP_SIZES = (32, 64, 128, 256)  # the only ones _weight_int4pack_mm_for_cpu takes
+
+
+def cpu_kernels_available(scheme: QuantScheme) -> bool:
+    """Whether this PyTorch has a CPU weight-only kernel for ``scheme`` (they came in 2.4–2.6)."""
+    if scheme.bits == 8:
+        return hasattr(torch.ops.aten, "_weight_int8pack_mm")
+    return (scheme.group_size in INT4_KERNEL_GROUP_SIZES
+            and hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"))
+
+
 class QuantizedLinear(nn.Module):
     """A linear layer (no bias) whose weight is held as integers, scales and (int4) zeros."""
 
-    def __init__(self, weight: torch.Tensor, scheme: QuantScheme) -> None:
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, scheme: QuantScheme,
+                 kernels: bool = True) -> None:
         super().__init__()
         self.scheme = scheme
-        self.out_features, self.in_features = weight.shape
-        if scheme.bits == 8:
-            q, scale = quantize_int8(weight)
-            zero = scale.new_zeros(0)  # int8 is symmetric: no zero point, but the same buffers
-        else:
-            q, scale, zero = quantize_int4(weight, scheme.group_size)
+        self.out_features = q.shape[0]
+        self.in_features = q.shape[1] * (2 if scheme.bits == 4 else 1)  # int4: two per byte
         self.register_buffer("q", q)
         self.register_buffer("scale", scale)
-        self.register_buffer("zero", zero)
+        self.register_buffer("zero", zero)  # int8 is symmetric: an empty zero, the same buffers
+        self.kernels = kernels and cpu_kernels_available(scheme)
+        self._kernel_weights: tuple[torch.Tensor, torch.Tensor] | None = None  # made on first use
 
-    def dequantized(self) -> torch.Tensor:
-        """The float32 weight: what the integers stand for, rebuilt at every call."""
+    @classmethod
+    def quantize(cls, weight: torch.Tensor, scheme: QuantScheme, kernels: bool = True) -> "QuantizedLinear":
+        """The layer holding ``weight`` (out, in) quantized with ``scheme``."""
+        if scheme.bits == 8:
+            q, scale = quantize_int8(weight)
+            return cls(q, scale, scale.new_zeros(0), scheme, kernels)
+        return cls(*quantize_int4(weight, scheme.group_size), scheme, kernels)
+
+    def dequantized(self, rows: slice = slice(None)) -> torch.Tensor:
+        """The float32 weight (or some of its output ``rows``): what the integers stand for."""
         if self.scheme.bits == 8:
-            return dequantize_int8(self.q, self.scale)
-        return dequantize_int4(self.q, self.scale, self.zero, self.scheme.group_size)
+            return dequantize_int8(self.q[rows], self.scale[rows])
+        return dequantize_int4(self.q[rows], self.scale[rows], self.zero[rows], self.scheme.group_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """The reference path: rebuild the weight, then multiply in the input's dtype."""
-        return F.linear(x, self.dequantized().to(x.dtype))
+        flat = x.reshape(-1, self.in_features)
+        if (self.kernels and x.dtype == torch.bfloat16 and x.device.type == "cpu"
+                and flat.shape[0] <= KERNEL_MAX_ROWS):
+            out = self._kernel_forward(flat)
+        else:
+            out = self._plain_forward(flat)
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+    def _plain_forward(self, flat: torch.Tensor) -> torch.Tensor:
+        """Rebuild the weight ``PLAIN_CHUNK_ROWS`` output rows at a time and multiply each block
+        at once, while it is still in the CPU's cache: rebuilding the 49152-row head whole would
+        write (and read back) a 113 MB float copy per call. int8 scales the outputs instead of
+        the weight: the row's scale leaves the sum."""
+        out = torch.empty(flat.shape[0], self.out_features, dtype=flat.dtype, device=flat.device)
+        for start in range(0, self.out_features, PLAIN_CHUNK_ROWS):
+            rows = slice(start, start + PLAIN_CHUNK_ROWS)
+            if self.scheme.bits == 8:
+                out[:, rows] = F.linear(flat, self.q[rows].to(flat.dtype)) * self.scale[rows].to(flat.dtype)
+            else:
+                out[:, rows] = F.linear(flat, self.dequantized(rows).to(flat.dtype))
+        return out
+
+    def _kernel_forward(self, flat: torch.Tensor) -> torch.Tensor:
+        """PyTorch's CPU kernels: the integers are multiplied as they are, scales in bf16."""
+        if self._kernel_weights is None:
+            self._kernel_weights = self._kernel_layout()
+        weights, scales = self._kernel_weights
+        if self.scheme.bits == 8:
+            return torch.ops.aten._weight_int8pack_mm(flat, weights, scales)
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(flat, weights, self.scheme.group_size, scales)
+
+    @torch.no_grad()
+    def _kernel_layout(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The weights as the kernels read them. int4: levels 0 … 15 in the kernel's own tiles,
+        and (groups, out, 2) pairs of scale and zero — our zero, ``min + 8 × scale``, is the one
+        its ``q × scale + zero`` over levels shifted by 8 wants."""
+        if self.scheme.bits == 8:
+            return self.q, self.scale.to(torch.bfloat16)
+        levels = unpack_int4(self.q).to(torch.int32) - INT4_MIN
+        tiled = torch.ops.aten._convert_weight_to_int4pack_for_cpu(levels, 1)
+        pairs = torch.stack([self.scale, self.zero], dim=-1).transpose(0, 1).contiguous()
+        return tiled, pairs.to(torch.bfloat16)
 
     def extra_repr(self) -> str:
         return f"{self.in_features} → {self.out_features}, {self.scheme.name}"
 
 
-def quantize_model(model: LlamaModel, scheme: QuantScheme | str, head: bool = False) -> LlamaModel:
+def block_linear_names(model: LlamaModel) -> list[str]:
+    """The names of the blocks' linear layers, e.g. ``layers.3.mlp.down_proj``: 7 per block."""
+    return [name for name, module in model.layers.named_modules(prefix="layers")
+            if isinstance(module, (nn.Linear, QuantizedLinear))]
+
+
+def quantize_model(model: LlamaModel, scheme: QuantScheme | str, head: bool = False,
+                   overrides: Mapping[str, QuantScheme | str] | None = None,
+                   kernels: bool = True) -> LlamaModel:
     """Replace the blocks' linear layers (and with ``head`` the output head) by quantized ones,
-    in place. A tied head gets its own quantized copy; the embedding lookup keeps the table."""
-    if isinstance(scheme, str):
-        if scheme not in SCHEMES:
-            raise ValueError(f"unknown scheme {scheme!r}: choose one of {', '.join(SCHEMES)}")
-        scheme = SCHEMES[scheme]
-    for block in model.layers:
-        for parent in (block.self_attn, block.mlp):
-            for name, child in list(parent.named_children()):
-                if isinstance(child, nn.Linear):
-                    if child.bias is not None:
-                        raise ValueError(f"{name} has a bias: these quantized layers take none")
-                    setattr(parent, name, QuantizedLinear(child.weight.detach(), scheme))
+    in place. ``overrides`` maps layer names, or a prefix such as ``layers.3``, to another
+    scheme. A tied head gets its own quantized copy; the embedding lookup keeps the table."""
+    scheme = scheme_named(scheme)
+    overrides = {prefix: scheme_named(s) for prefix, s in (overrides or {}).items()}
+    names = block_linear_names(model)
+    for prefix in overrides:
+        if not any(name == prefix or name.startswith(prefix + ".") for name in names):
+            raise ValueError(f"override {prefix!r} names no linear layer of the blocks "
+                             f"(they are named like {names[0]!r} or 'layers.0')")
+    for name in names:
+        layer = model.get_submodule(name)
+        if not isinstance(layer, nn.Linear):
+            raise ValueError(f"{name} is quantized already: quantize a model loaded afresh")
+        if layer.bias is not None:
+            raise ValueError(f"{name} has a bias: these quantized layers take none")
+        chosen = [s for prefix, s in overrides.items() if name == prefix or name.startswith(prefix + ".")]
+        layer_scheme = chosen[-1] if chosen else scheme
+        model.set_submodule(name, QuantizedLinear.quantize(layer.weight.detach(), layer_scheme, kernels))
     if head:
-        model.lm_head = QuantizedLinear(model.lm_head.weight.detach(), scheme)
+        model.lm_head = QuantizedLinear.quantize(model.lm_head.weight.detach(), scheme, kernels)
     return model
 
 
@@ -424,6 +527,7 @@ def bytes_read_per_token(model: LlamaModel) -> int:
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -475,6 +579,12 @@ def text_quality(reference: LlamaModel, models: dict[str, LlamaModel], ids: list
                               kl[name] / positions if name in models else 0.0,
                               top1[name] / positions if name in models else 1.0)
             for name in everyone}
+
+
+@torch.inference_mode()
+def perplexity(model: LlamaModel, ids: list[int], window: int = 256, progress: bool = True) -> float:
+    """``model``'s perplexity on ``ids`` in whole windows: one model, no reference to compare."""
+    return text_quality(model, {}, ids, window, progress)["reference"].perplexity
 
 
 # %% [markdown]
@@ -534,6 +644,692 @@ fig.tight_layout()
 plt.show()
 
 # %% [markdown]
+# ## 6. What it buys: time per decode step
+#
+# Fewer bytes only help if a layer reads the integers as they are. This section times the ways
+# a layer can multiply by quantized weights, first on one matrix — block 0's `up_proj`, 1536 × 576 —
+# with one row (one token, a batch-1 decode step) and 16 rows (a decode step of 16 requests):
+#
+# * the float baselines, fp32 and bf16 weights;
+# * **dequantize, then multiply**: rebuild the float matrix, then an ordinary matmul;
+# * the **plain path** of `QuantizedLinear` (section 4);
+# * a **compiled dequantize-in-matmul**: the same Python, given to `torch.compile`, which may fuse
+#   the rebuild into the multiplication;
+# * PyTorch's **CPU kernels** for int8 and int4.
+#
+# Inputs are bf16 (the kernels need it) except for fp32 weights. The median of 30 calls, in µs.
+# A matrix this small stays in the CPU's caches between calls, so these are times of the
+# arithmetic and the rebuilding, not of memory; the whole model comes next.
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+import statistics
+import time
+
+import torch.nn.functional as F
+
+from aie_lessons.quantize import KERNEL_MAX_ROWS, SCHEMES, QuantizedLinear
+
+
+def median_seconds(call, repeats: int = 30) -> float:
+    """The median time of ``call()`` after three warm-up calls: typical, not lucky."""
+    with torch.inference_mode():
+        for _ in range(3):
+            call()
+        seconds = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            call()
+            seconds.append(time.perf_counter() - start)
+    return statistics.median(seconds)
+
+
+def dequantize_then_multiply(x: torch.Tensor, layer: QuantizedLinear) -> torch.Tensor:
+    return F.linear(x, layer.dequantized().to(x.dtype))
+
+
+up = model.layers[0].mlp.up_proj.weight.detach()
+up_bf16 = up.bfloat16()
+layers = {name: QuantizedLinear.quantize(up, SCHEMES[name]) for name in ("int8", "int4-g32")}
+plain = {name: QuantizedLinear.quantize(up, SCHEMES[name], kernels=False) for name in layers}
+compiled = torch.compile(dequantize_then_multiply, dynamic=False)
+paths = {"fp32 weights (fp32 inputs)": lambda x: F.linear(x.float(), up),
+         "bf16 weights": lambda x: F.linear(x, up_bf16)}
+for name in layers:
+    paths[f"{name}: dequantize, then multiply"] = lambda x, n=name: dequantize_then_multiply(x, plain[n])
+    paths[f"{name}: plain path"] = lambda x, n=name: plain[n](x)
+    paths[f"{name}: compiled dequantize-in-matmul"] = lambda x, n=name: compiled(x, plain[n])
+    paths[f"{name}: CPU kernel"] = lambda x, n=name: layers[n](x)
+matrix_us = {rows: {path: 1e6 * median_seconds(lambda: call(torch.randn(rows, up.shape[1]).bfloat16()))
+                    for path, call in paths.items()} for rows in (1, 16)}
+print(f"{'µs per call':<38} {'1 row':>8} {'16 rows':>8}")
+for path in paths:
+    print(f"{path:<38} {matrix_us[1][path]:8.0f} {matrix_us[16][path]:8.0f}")
+
+# %% [markdown]
+# The kernels win at one row by reading one byte (int8) or half a byte (int4) per weight and
+# never writing a float copy; rebuilding the weight costs more than the multiplication it saves.
+# The compiled rebuild does not fuse into a matrix multiplication on the CPU here — inductor
+# hands the matmul to a library call and still writes the float weight first.
+#
+# But the kernels are matrix–*vector* kernels: their time grows with every row, while a matmul's
+# barely moves. Where do the lines cross? `QuantizedLinear` uses the kernels up to
+# `KERNEL_MAX_ROWS` rows; this chart is where that number comes from on your machine.
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+row_counts = [1, 2, 4, 8, 16, 32, 64]
+crossover = {label: [1e6 * median_seconds(lambda: call(torch.randn(rows, up.shape[1]).bfloat16()), 10)
+                     for rows in row_counts]
+             for label, call in (("bf16 weights", paths["bf16 weights"]),
+                                 ("int8 plain path", plain["int8"]), ("int8 CPU kernel", layers["int8"]),
+                                 ("int4-g32 plain path", plain["int4-g32"]),
+                                 ("int4-g32 CPU kernel", layers["int4-g32"]))}
+fig, ax = plt.subplots(figsize=(6.5, 3.6))
+for label, times in crossover.items():
+    ax.plot(row_counts, times, marker="o", label=label, linestyle="--" if "kernel" in label else "-")
+ax.axvline(KERNEL_MAX_ROWS, color="grey", linewidth=1)
+ax.annotate("KERNEL_MAX_ROWS", (KERNEL_MAX_ROWS, ax.get_ylim()[1]), textcoords="offset points",
+            xytext=(4, -12), fontsize=8, color="grey")
+ax.set_xscale("log", base=2)
+ax.set_yscale("log")
+ax.set_xlabel("rows (tokens in the step)")
+ax.set_ylabel("µs per call, 1536 × 576")
+ax.set_title("The integer kernels pay for a few rows at a time")
+ax.legend(fontsize=8)
+ax.grid(alpha=0.3)
+fig.tight_layout()
+plt.show()
+faster = [rows for rows, kernel, plain_us in zip(row_counts, crossover["int8 CPU kernel"],
+                                                 crossover["int8 plain path"]) if kernel < plain_us]
+print("rows at which the int8 kernel was faster than the plain path here:", faster)
+
+# %% [markdown]
+# Now the whole model, one decode step after a 64-token prompt, for one request and for 16. A
+# step reads every weight once whatever the batch, so **GB/s** is the bytes of weights a step
+# reads (`bytes_read_per_token`) over its time, and **tokens/s** is the batch over it. The
+# roofline is the read bandwidth of stage 04's probe: the most any step could stream.
+#
+# The quantized variants compute in bf16, so that the kernels apply. With the head left in fp32
+# (the default), every step also converts the 113 MiB table to bf16, a block of rows at a time
+# (stage 04's `Linear`): quantizing the head too is what removes the largest read.
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+from aie_lessons.kv_cache import KVCache
+from aie_lessons.roofline import read_bandwidth
+
+bf16 = torch.bfloat16
+speed_variants = {
+    "fp32": model,
+    "bf16": LlamaModel.from_pretrained(MODEL_DIR, dtype=bf16, activations=bf16),
+    "int8, plain path (fp32)": quantize_model(LlamaModel.from_pretrained(MODEL_DIR), "int8", kernels=False),
+    "int8": quantize_model(LlamaModel.from_pretrained(MODEL_DIR, activations=bf16), "int8"),
+    "int8 + head": quantize_model(LlamaModel.from_pretrained(MODEL_DIR, activations=bf16), "int8", head=True),
+    "int4-g32 + head": quantize_model(LlamaModel.from_pretrained(MODEL_DIR, activations=bf16), "int4-g32",
+                                      head=True),
+}
+prompt = corpus_ids[:64]
+
+
+def decode_step(variant: LlamaModel, batch: int):
+    """One decode step of ``batch`` requests after the same 64-token prompt, ready to call again
+    (it rewrites the same cache column each time)."""
+    ids = torch.tensor([prompt + [prompt[0]]] * batch)
+    positions = torch.arange(ids.shape[1]).expand_as(ids)
+    cache = KVCache(variant.config, batch, ids.shape[1], dtype=variant.activations)
+    with torch.inference_mode():
+        variant(ids[:, :-1], positions[:, :-1], cache=cache, cache_start=0, last_position_only=True)
+    return lambda: variant(ids[:, -1:], positions[:, -1:], cache=cache, cache_start=len(prompt))[:, -1]
+
+
+def decode_step_seconds(variant: LlamaModel, batch: int) -> float:
+    """The fastest of five decode steps (after a warm-up): the least disturbed by the machine."""
+    step = decode_step(variant, batch)
+    return min(median_seconds(step, 1) for _ in range(5))
+
+
+bandwidth, _ = read_bandwidth()
+step_seconds = {name: {batch: decode_step_seconds(v, batch) for batch in (1, 16)}
+                for name, v in tqdm(speed_variants.items(), desc="variants")}
+print(f"read roofline (stage 04's probe): {bandwidth / 1e9:.1f} GB/s")
+print(f"{'':<24} {'MiB':>6} | {'batch 1: tok/s':>14} {'GB/s':>5} {'roofline':>8} | {'batch 16: tok/s':>15} {'GB/s':>5}")
+for name, v in speed_variants.items():
+    size, one, sixteen = bytes_read_per_token(v), step_seconds[name][1], step_seconds[name][16]
+    print(f"{name:<24} {size / 2**20:6.1f} | {1 / one:14.1f} {size / one / 1e9:5.1f} "
+          f"{size / one / bandwidth:8.0%} | {16 / sixteen:15.1f} {size / sixteen / 1e9:5.1f}")
+
+# %% [markdown]
+# A bar chart of the same tokens/s, with the roofline of each variant drawn: the tokens/s a
+# step could reach if it did nothing but read its weights at the probe's speed.
+
+# %%
+fig, axes = plt.subplots(1, 2, figsize=(10, 3.6), sharey=False)
+names = list(speed_variants)
+for ax, batch in zip(axes, (1, 16)):
+    rates = [batch / step_seconds[name][batch] for name in names]
+    ceilings = [batch * bandwidth / bytes_read_per_token(speed_variants[name]) for name in names]
+    ax.bar(range(len(names)), rates, color="tab:blue", label="measured")
+    ax.scatter(range(len(names)), ceilings, marker="_", s=400, color="tab:red", label="read roofline")
+    ax.set_xticks(range(len(names)), names, rotation=30, ha="right", fontsize=8)
+    ax.set_ylabel("tokens/s")
+    ax.set_title(f"decode, batch {batch}")
+    ax.grid(alpha=0.3, axis="y")
+axes[0].legend(fontsize=8)
+fig.tight_layout()
+plt.show()
+
+# %% [markdown]
+# At batch 1 the integer kernels turn fewer bytes into time, once the head is quantized too.
+# At batch 16 each step has 16 rows per matrix: the plain path's rebuild and a real matrix
+# multiplication take over, and the weights' bytes count for less — stage 09 draws this
+# turn from memory-bound to compute-bound on the roofline. The kernels round the scales and the
+# inputs to bf16; here is how far that moves one decode step's logits from the plain path's:
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+def set_kernels(variant: LlamaModel, on: bool) -> None:
+    for layer in variant.modules():
+        if isinstance(layer, QuantizedLinear):
+            layer.kernels = on
+
+
+for name in ("int8 + head", "int4-g32 + head"):
+    variant, step = speed_variants[name], decode_step(speed_variants[name], 1)
+    with torch.inference_mode():
+        with_kernels = step()[0]
+        set_kernels(variant, False)
+        plain_logits = step()[0]
+        set_kernels(variant, True)
+    print(f"{name}: largest logit difference, kernels vs plain path {(with_kernels - plain_logits).abs().max():.3f} "
+          f"(logits span {plain_logits.max() - plain_logits.min():.0f}); same best token: "
+          f"{with_kernels.argmax() == plain_logits.argmax()}")
+
+# %% [markdown]
+# ## 7. Which layers int4 hurts
+#
+# int4 in groups of 64 costs this model about a third of its perplexity (section 5). Is that
+# loss spread evenly, or do a few layers carry it? The way to find out is an experiment per
+# layer: quantize *only* that layer, measure, and put it back — and the same for each kind of
+# projection (`q_proj` of every block, then `k_proj`, …).
+#
+# ```
+#   baseline = score(model)
+#   for each group of layers:   quantize just those  →  score  →  put the originals back
+# ```
+#
+# Two things make or break such a loop. Each measurement must see *only* its group quantized:
+# a layer not put back would be counted again in every later group. And the model must come
+# out as it went in, even when a measurement fails halfway (an error, or you interrupting a
+# long run): otherwise the next cell works on a half-quantized model without saying so.
+#
+# ### Exercise 8.5 — the sensitivity loop
+#
+# `sensitivity(model, groups, scheme, score)` takes a dict from a group's label to the names of
+# its linear layers (as `model.get_submodule` takes them, e.g. `"layers.3.mlp.down_proj"`), a
+# `QuantScheme`, and `score(model) -> float`. It returns, per label in the same order, how much
+# the score changes when only that group is quantized: `score(with the group quantized) −
+# score(model)`. Replace a layer with `QuantizedLinear.quantize(layer.weight.detach(), scheme)`
+# and `model.set_submodule(name, ...)`; put back the very modules you took out.
+
+# %%
+# export: sensitivity
+"""Which layers quantization hurts: quantize one group at a time, score, restore."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+
+from aie_lessons.model import LlamaModel
+from aie_lessons.quantize import QuantizedLinear, QuantScheme, block_linear_names
+
+
+def groups_by_layer(model: LlamaModel) -> dict[str, list[str]]:
+    """``{"layer 0": [its 7 projections' names], …}``."""
+    names = block_linear_names(model)
+    return {f"layer {i}": [name for name in names if name.startswith(f"layers.{i}.")]
+            for i in range(len(model.layers))}
+
+
+def groups_by_kind(model: LlamaModel) -> dict[str, list[str]]:
+    """``{"q_proj": [every block's q_proj], …}``, in the blocks' order of kinds."""
+    groups: dict[str, list[str]] = {}
+    for name in block_linear_names(model):
+        groups.setdefault(name.rsplit(".", 1)[1], []).append(name)
+    return groups
+
+
+# %%
+# export: sensitivity
+def sensitivity(model: LlamaModel, groups: Mapping[str, Sequence[str]], scheme: QuantScheme,
+                score: Callable[[LlamaModel], float]) -> dict[str, float]:
+    """Per group: ``score`` with only that group's layers quantized, minus ``score(model)``.
+    The model is left as it came, with the same modules, even if ``score`` raises."""
+    baseline = score(model)
+    changes: dict[str, float] = {}
+    # BEGIN EXERCISE 8.5: for each group in order, swap its layers for quantized ones, record the change of the score against the baseline, and always put the original modules back
+    # Hint 1: One experiment per group: change only that group, measure, undo. The undo must happen whatever the measurement does, so that no group sees another's layers and the model ends as it began.
+    # Hint 2: For each label, keep {name: model.get_submodule(name)} of its layers; inside try, set each name to QuantizedLinear.quantize(layer.weight.detach(), scheme) and store score(model) − baseline; in finally, set each name back to its original module.
+    for label, names in groups.items():
+        originals = {name: model.get_submodule(name) for name in names}
+        try:
+            for name, layer in originals.items():
+                model.set_submodule(name, QuantizedLinear.quantize(layer.weight.detach(), scheme))
+            changes[label] = score(model) - baseline
+        finally:
+            for name, layer in originals.items():
+                model.set_submodule(name, layer)
+    # END EXERCISE 8.5
+    return changes
+
+
+# %%
+# Check exercise 8.5
+checks.stage08.check_sensitivity(sensitivity)
+
+# %% [markdown]
+# The score: perplexity on the first 512 tokens of the corpus (two windows) — short, because it
+# runs once per group, 37 times. Each group is quantized to int4 in groups of 64.
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+from aie_lessons.quantize import block_linear_names
+from aie_lessons.sensitivity import groups_by_kind, groups_by_layer
+from aie_lessons.sensitivity import sensitivity as committed_sensitivity
+from aie_lessons.text_quality import perplexity
+
+score = lambda m: perplexity(m, corpus_ids[:513], progress=False)
+int4 = SCHEMES["int4-g64"]
+by_layer = committed_sensitivity(model, groups_by_layer(model), int4, score)
+by_kind = committed_sensitivity(model, groups_by_kind(model), int4, score)
+print(f"fp32 perplexity on these 512 tokens: {score(model):.3f}")
+print("most sensitive layers:", ", ".join(f"{label} (+{change:.2f})" for label, change in
+                                          sorted(by_layer.items(), key=lambda item: -item[1])[:4]))
+print("by kind:", ", ".join(f"{label} +{change:.2f}" for label, change in by_kind.items()))
+print("the model came back unquantized:",
+      all(type(model.get_submodule(name)).__name__ == "Linear" for name in block_linear_names(model)))
+
+# %%
+fig, (left, right) = plt.subplots(1, 2, figsize=(11, 3.4), gridspec_kw={"width_ratios": [3, 1]})
+left.bar(range(len(by_layer)), list(by_layer.values()), color="tab:blue")
+left.set_xlabel("block (only its 7 projections in int4-g64)")
+left.set_ylabel("perplexity change")
+left.set_title("One block at a time")
+right.bar(list(by_kind), list(by_kind.values()), color="tab:orange")
+right.set_title("One kind of projection, in every block")
+right.tick_params(axis="x", rotation=45)
+for ax in (left, right):
+    ax.grid(alpha=0.3, axis="y")
+fig.tight_layout()
+plt.show()
+
+# %% [markdown]
+# ## 8. A mixed scheme
+#
+# The loss is not spread evenly: a few blocks and one or two kinds of projection carry most of
+# it. Keeping *those* in int8 should buy back a large part of int4's loss for a few MiB. What a
+# group costs to keep in int8 depends on its size — `v_proj` is 192 × 576, `down_proj`
+# 576 × 1536 — so the choice below ranks groups by perplexity recovered per extra MiB, and takes
+# the best until the extra bytes reach 10% of the int4 blocks' size.
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+def weight_bytes(names, scheme) -> int:
+    """Bytes of these layers' weights in ``scheme``: the integers, and the scales and zeros."""
+    total = 0
+    for name in names:
+        rows, columns = model.get_submodule(name).weight.shape
+        if scheme.bits == 8:
+            total += rows * columns + rows * 4  # a byte per weight, a float32 scale per row
+        else:
+            total += rows * columns // 2 + rows * (columns // scheme.group_size) * 8  # + scale, zero
+    return total
+
+
+groups = {**groups_by_layer(model), **groups_by_kind(model)}
+changes = {**by_layer, **by_kind}
+extra = lambda names: weight_bytes(names, SCHEMES["int8"]) - weight_bytes(names, int4)
+budget = 0.10 * weight_bytes(block_linear_names(model), int4)
+chosen: list[str] = []
+for label in sorted(groups, key=lambda label: -changes[label] / extra(groups[label])):
+    new = [name for name in groups[label] if name not in chosen]
+    if new and changes[label] > 0 and extra(chosen + new) <= budget:
+        chosen += new
+        print(f"keep {label:>9} in int8: +{changes[label]:.2f} perplexity alone, "
+              f"{extra(new) / 2**20:.2f} MiB more")
+print(f"{len(chosen)} of {len(block_linear_names(model))} layers in int8, "
+      f"{extra(chosen) / 2**20:.1f} MiB more than int4-g64 (budget {budget / 2**20:.1f} MiB)")
+
+# %% [markdown]
+# `quantize_model`'s `overrides` puts the chosen layers in int8 and everything else in
+# int4-g64. Scored on the same 2,048 tokens as section 5's table:
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+mixed = quantize_model(LlamaModel.from_pretrained(MODEL_DIR), int4, overrides={name: "int8" for name in chosen})
+mixed_quality = text_quality(model, {"mixed": mixed}, corpus_ids[:2049])["mixed"]
+fp32_ppl, int4_ppl = quality["reference"].perplexity, quality["int4-g64"].perplexity
+print(f"{'':>9} {'MiB read':>8} {'perplexity':>11} {'top-1':>7}")
+for label, q, size in (("int4-g64", quality["int4-g64"], sizes["int4-g64"]),
+                       ("mixed", mixed_quality, bytes_read_per_token(mixed)),
+                       ("int8", quality["int8"], sizes["int8"])):
+    print(f"{label:>9} {size / 2**20:8.1f} {q.perplexity:11.3f} {q.top1:7.2%}")
+recovered = (int4_ppl - mixed_quality.perplexity) / (int4_ppl - fp32_ppl)
+print(f"the mixed scheme recovers {recovered:.0%} of int4-g64's perplexity loss for "
+      f"{(bytes_read_per_token(mixed) - sizes['int4-g64']) / 2**20:.1f} MiB more per token")
+
+# %%
+print("the mixed scheme is better than int4-g64 and no better than int8:",
+      quality["int8"].perplexity <= mixed_quality.perplexity < int4_ppl)
+
+# %% [markdown]
+# ## 9. Quantize once: files, the engine and `aie generate`
+#
+# Quantizing takes seconds, and the result never changes for a given checkpoint and scheme, so
+# the course keeps it: `save_quantized` writes the quantized layers' integers with their scales
+# and zeros beside them to a safetensors file, with the scheme of every layer and a fingerprint
+# of the checkpoint in the file's metadata; `load_quantized` puts them back into a model loaded
+# from the checkpoint (whose other weights — embedding, norms — it keeps). `quantized_model`
+# does both: it loads the file from the checkpoint's folder (`data/models/<name>/quantized/`)
+# when it matches the checkpoint and the request, and otherwise quantizes and writes it. Nothing is parsed from file names: the
+# scheme is an argument, and the file's metadata must agree with it.
+
+# %%
+# export: quantized_checkpoint
+"""Quantized weights on disk: quantize a checkpoint once, load it in a second afterwards."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from aie_lessons.model import LlamaModel
+from aie_lessons.quantize import QuantizedLinear, QuantScheme, quantize_model, scheme_named
+
+FORMAT = "aie-quantized-1"
+
+
+def checkpoint_fingerprint(model_dir: str | Path) -> str:
+    """Which checkpoint a quantized file came from: its config and its weight files' names,
+    sizes and modification times (hashing 540 MB of weights would take longer than quantizing)."""
+    model_dir = Path(model_dir)
+    digest = hashlib.sha256((model_dir / "config.json").read_bytes())
+    for path in sorted(model_dir.glob("*.safetensors")):
+        stat = path.stat()
+        digest.update(f"{path.name}:{stat.st_size}:{stat.st_mtime_ns}".encode())
+    return digest.hexdigest()[:16]
+
+
+def layer_schemes(model: LlamaModel) -> dict[str, QuantScheme]:
+    """The scheme of every quantized layer of ``model``, by name (``lm_head`` included if it is)."""
+    return {name: module.scheme for name, module in model.named_modules() if isinstance(module, QuantizedLinear)}
+
+
+def save_quantized(model: LlamaModel, path: str | Path, model_dir: str | Path) -> Path:
+    """Write the quantized layers of ``model`` (quantized from ``model_dir``) to ``path``."""
+    schemes = layer_schemes(model)
+    if not schemes:
+        raise ValueError("the model has no quantized layer: quantize_model it first")
+    tensors = {}
+    for name in schemes:
+        layer = model.get_submodule(name)
+        for part in ("q", "scale", "zero"):
+            tensors[f"{name}.{part}"] = getattr(layer, part).contiguous().cpu()
+    metadata = {"format": FORMAT, "checkpoint": checkpoint_fingerprint(model_dir),
+                "schemes": json.dumps({name: [s.name, s.bits, s.group_size] for name, s in schemes.items()})}
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_suffix(".partial")  # a file cut short by an interrupt is never read as whole
+    save_file(tensors, str(partial), metadata=metadata)
+    partial.replace(path)
+    return path
+
+
+def read_metadata(path: str | Path) -> dict[str, str]:
+    with safe_open(str(path), framework="pt") as file:
+        return file.metadata() or {}
+
+
+def load_quantized(model_dir: str | Path, path: str | Path, dtype: torch.dtype = torch.float32,
+                   device: str | torch.device = "cpu", activations: torch.dtype = torch.float32,
+                   kernels: bool = True) -> LlamaModel:
+    """The checkpoint's model with the quantized layers of ``path`` in place of its own."""
+    metadata = read_metadata(path)
+    if metadata.get("format") != FORMAT:
+        raise ValueError(f"{path} is not a quantized-weights file of this course (format "
+                         f"{metadata.get('format')!r}, expected {FORMAT!r})")
+    if metadata["checkpoint"] != checkpoint_fingerprint(model_dir):
+        raise ValueError(f"{path} was quantized from another checkpoint than {model_dir}. "
+                         "Fix: quantize again (quantized_model does it) or pass the checkpoint it came from")
+    model = LlamaModel.from_pretrained(model_dir, dtype=dtype, device=device, activations=activations)
+    with safe_open(str(path), framework="pt", device=str(device)) as file:
+        for name, (scheme_name, bits, group_size) in json.loads(metadata["schemes"]).items():
+            scheme = QuantScheme(scheme_name, bits, group_size)
+            parts = [file.get_tensor(f"{name}.{part}") for part in ("q", "scale", "zero")]
+            model.set_submodule(name, QuantizedLinear(*parts, scheme, kernels))
+    return model
+
+
+def quantized_model(model_dir: str | Path, scheme: QuantScheme | str, head: bool = False,
+                    overrides: Mapping[str, QuantScheme | str] | None = None,
+                    dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                    activations: torch.dtype = torch.float32, cache_dir: str | Path | None = None,
+                    kernels: bool = True) -> LlamaModel:
+    """The model quantized with ``scheme``: read from ``cache_dir`` (by default the checkpoint's
+    ``quantized/`` folder) if it was quantized before from this checkpoint in this way, else
+    quantized now and written there for next time."""
+    scheme = scheme_named(scheme)
+    cache_dir = Path(model_dir) / "quantized" if cache_dir is None else Path(cache_dir)
+    request = json.dumps([scheme.name, scheme.bits, scheme.group_size, head,
+                          sorted((k, scheme_named(v).name) for k, v in (overrides or {}).items())])
+    key = hashlib.sha256(f"{checkpoint_fingerprint(model_dir)}{request}".encode()).hexdigest()[:16]
+    path = cache_dir / f"{Path(model_dir).name}-{scheme.name}{'-head' * head}-{key}.safetensors"
+    if path.exists():
+        return load_quantized(model_dir, path, dtype, device, activations, kernels)
+    print(f"quantizing {Path(model_dir).name} to {scheme.name}{' (head too)' * head}, once: "
+          f"it is kept in {path}", file=sys.stderr)
+    model = LlamaModel.from_pretrained(model_dir, dtype=dtype, device=device, activations=activations)
+    quantize_model(model, scheme, head=head, overrides=overrides, kernels=kernels)
+    save_quantized(model, path, model_dir)
+    return model
+
+
+# %% [markdown]
+# Saving and loading give back the same layers, bit for bit, and loading is quicker than
+# quantizing:
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+import tempfile
+from pathlib import Path
+
+from aie_lessons.quantized_checkpoint import load_quantized, quantized_model
+
+with tempfile.TemporaryDirectory() as scratch:
+    start = time.perf_counter()
+    first = quantized_model(MODEL_DIR, "int4-g32", head=True, cache_dir=scratch)
+    quantize_seconds = time.perf_counter() - start
+    start = time.perf_counter()
+    again = quantized_model(MODEL_DIR, "int4-g32", head=True, cache_dir=scratch)
+    load_seconds = time.perf_counter() - start
+    files = list(Path(scratch).glob("*.safetensors"))
+    print(f"{files[0].name}: {files[0].stat().st_size / 2**20:.1f} MiB")
+print(f"quantize and save {quantize_seconds:.1f} s, load {load_seconds:.1f} s")
+
+# %%
+same = all(torch.equal(getattr(a, part), getattr(b, part))
+           for a, b in zip(first.modules(), again.modules()) if isinstance(a, QuantizedLinear)
+           for part in ("q", "scale", "zero"))
+print("the loaded layers equal the saved ones, bit for bit:", same)
+
+# %% [markdown]
+# The engine of stages 06–07 takes the quantized model as it is: `QuantizedLinear` is a module
+# like any other, so every request of a batch goes through the integer weights. Its greedy tokens
+# must be those of stage 04's cached loop on the same quantized model (both in fp32 arithmetic,
+# so exactly):
+
+# %%
+from aie_lessons.cached_generate import generate_cached
+from aie_lessons.engine.paged_engine import paged_engine
+from aie_lessons.sampling import SamplingParams
+
+int8_model = quantized_model(MODEL_DIR, "int8")
+params = SamplingParams(max_new_tokens=12)
+prompts = ["The capital of France is", "A list in Python is", "Quantization means"]
+engine = paged_engine(int8_model, tokenizer, max_seqs=3, kv_bytes=32 * 2**20)
+engine_ids = [result.token_ids for result in engine.generate(prompts, params)]
+loop_ids = [result.token_ids for result in
+            generate_cached(int8_model, tokenizer, [tokenizer.encode(p) for p in prompts], params)]
+print("engine = stage 04's loop, on the int8 model:", engine_ids == loop_ids)
+print(repr(tokenizer.decode(engine_ids[0])))
+
+# %% [markdown]
+# From the command line, `--quant` picks the scheme, `--quant-head` quantizes the output head
+# too, and the first run writes the file the next runs read:
+#
+# ```
+# aie generate --quant int8 "The capital of France is"
+# aie generate --quant int4-g32 --quant-head --activations bfloat16 "The capital of France is"
+# ```
+#
+# With `--activations bfloat16`, decode steps of up to `KERNEL_MAX_ROWS` requests take the CPU
+# kernels of section 6.
+
+# %% [markdown]
+# ## 10. The KV cache in int8
+#
+# Weights are not the only bytes a decode step reads: it reads every cached key and value too
+# (stage 04: 45 KiB per token in fp32), and at long contexts or many requests those bytes pass
+# the weights'. They are also what stage 07's pool is made of. The same int8 idea applies: each
+# cached key (and value) of one head at one position is a vector of `head_dim` numbers, stored
+# as int8 with its own scale, `absmax / 127` — exercise 8.1 row by row, where a row is one
+# head's key at one position. The scales are computed when a token is written, so a new token
+# never changes an old one's.
+#
+# `Int8KVCache` has stage 04's interface: `update` stores the new keys and values and returns all
+# of them so far, turned back into floats for attention. (This plain version rebuilds the floats
+# at every step; an attention kernel that read the int8 directly would not — stage 05's kernel
+# would take the scales as one more input.)
+
+# %%
+# export: int8_kv_cache
+"""A KV cache that stores keys and values as int8, one scale per head and position."""
+
+from __future__ import annotations
+
+import torch
+
+from aie_lessons.config import ModelConfig
+from aie_lessons.kv_cache import CacheFullError
+from aie_lessons.quantize import quantize_int8
+
+
+def int8_kv_bytes_per_token(config: ModelConfig) -> int:
+    """Keys and values of one token in every layer: a byte per number and a float32 scale per
+    head vector (against ``kv_cache_bytes(config, 1, 1, dtype)`` for a float cache)."""
+    return 2 * config.num_layers * config.num_kv_heads * (config.head_dim + 4)
+
+
+class Int8KVCache:
+    """Stage 04's ``KVCache``, with int8 keys and values and a float32 scale per (layer, row,
+    head, position); ``update`` returns floats in the dtype of what it is given."""
+
+    def __init__(self, config: ModelConfig, batch_size: int, max_len: int, device: torch.device | str = "cpu"):
+        shape = (config.num_layers, batch_size, config.num_kv_heads, max_len, config.head_dim)
+        self.keys = torch.zeros(shape, dtype=torch.int8, device=device)
+        self.values = torch.zeros(shape, dtype=torch.int8, device=device)
+        self.key_scales = torch.ones(shape[:-1], device=device)
+        self.value_scales = torch.ones(shape[:-1], device=device)
+        self.max_len = max_len
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in (self.keys, self.values, self.key_scales, self.value_scales))
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store k, v (B, Hkv, S, D) at columns start … start+S-1; return columns 0 … start+S-1."""
+        end = start + k.shape[2]
+        if start < 0 or end > self.max_len:
+            raise CacheFullError(f"the int8 KV cache holds positions 0 … {self.max_len - 1}; writing "
+                                 f"{k.shape[2]} at column {start} needs {end}. Fix: allocate max_len ≥ "
+                                 f"prompt + max_new_tokens (here {end})")
+        for new, store, scales in ((k, self.keys, self.key_scales), (v, self.values, self.value_scales)):
+            q, scale = quantize_int8(new.reshape(-1, new.shape[-1]))  # one row per head and position
+            store[layer, :, :, start:end] = q.reshape(new.shape)
+            scales[layer, :, :, start:end] = scale.reshape(new.shape[:-1])
+        return tuple((store[layer, :, :, :end] * scales[layer, :, :, :end, None]).to(k.dtype)
+                     for store, scales in ((self.keys, self.key_scales), (self.values, self.value_scales)))
+
+
+# %% [markdown]
+# What it costs in quality: the same teacher-forced score as section 5, with every window
+# going through a fresh cache first — a prefill writes the window's keys and values and attends
+# to what the cache gives back, which is exactly what later decode steps would read.
+
+# %%
+# export: text_quality
+class ThroughCache(torch.nn.Module):
+    """``model(ids)``, with every window prefilled through a fresh cache from ``make_cache(shape)``:
+    attention then uses the keys and values the cache gives back, as decode steps would."""
+
+    def __init__(self, model: LlamaModel, make_cache: Callable[[torch.Size], object]) -> None:
+        super().__init__()
+        self.model, self.make_cache = model, make_cache
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
+        return self.model(ids, positions, cache=self.make_cache(ids.shape), cache_start=0)
+
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+from aie_lessons.int8_kv_cache import Int8KVCache, int8_kv_bytes_per_token
+from aie_lessons.kv_cache import KVCache, kv_cache_bytes
+from aie_lessons.text_quality import ThroughCache
+
+kv_variants = {"bf16 cache": ThroughCache(model, lambda shape: KVCache(model.config, shape[0], shape[1], torch.bfloat16)),
+               "int8 cache": ThroughCache(model, lambda shape: Int8KVCache(model.config, shape[0], shape[1]))}
+kv_quality = text_quality(model, kv_variants, corpus_ids[:2049])
+per_token = {"fp32 cache": kv_cache_bytes(model.config, 1, 1, torch.float32),
+             "bf16 cache": kv_cache_bytes(model.config, 1, 1, torch.bfloat16),
+             "int8 cache": int8_kv_bytes_per_token(model.config)}
+print(f"{'':>11} {'KiB/token':>9} {'perplexity':>11} {'vs fp32':>8} {'mean KL':>9} {'top-1':>7}")
+for name, q in kv_quality.items():
+    label = "fp32 cache" if name == "reference" else name
+    print(f"{label:>11} {per_token[label] / 1024:9.2f} {q.perplexity:11.3f} "
+          f"{q.perplexity / kv_quality['reference'].perplexity - 1:+8.2%} {q.mean_kl:9.1e} {q.top1:7.2%}")
+
+# %%
+print("int8 cache within 1% of fp32's perplexity:",
+      kv_quality["int8 cache"].perplexity / kv_quality["reference"].perplexity - 1 < 0.01)
+
+# %% [markdown]
+# And what it buys in stage 07's pool: blocks of 16 tokens in a fixed budget, and how many
+# requests of 1,024 tokens (prompt and output) fit at once — the batch a continuous-batching
+# engine can run, and so its throughput, once weights are small.
+
+# %%
+from aie_lessons.engine.block_manager import blocks_for
+from aie_lessons.engine.paged_cache import blocks_for_budget
+
+budget, block_size, request_tokens = 2 * 2**30, 16, 1024
+print(f"a {budget / 2**30:.0f} GiB pool, blocks of {block_size} tokens, requests of {request_tokens} tokens:")
+pool = {"fp32 cache": blocks_for_budget(model.config, budget, block_size, torch.float32),
+        "bf16 cache": blocks_for_budget(model.config, budget, block_size, torch.bfloat16),
+        "int8 cache": budget // (block_size * int8_kv_bytes_per_token(model.config))}
+for label, blocks in pool.items():
+    print(f"{label:>11}: {blocks:6,} blocks → {blocks // blocks_for(request_tokens, block_size):4} requests at once")
+print(f"int8 holds {pool['int8 cache'] / pool['bf16 cache']:.2f}× the requests of bf16, "
+      f"{pool['int8 cache'] / pool['fp32 cache']:.2f}× those of fp32")
+
+# %% [markdown]
 # ## Summary
 #
 # * int8 with one scale per output row: `scale = absmax / 127`, round to nearest; the error of a
@@ -544,6 +1340,15 @@ plt.show()
 # * Quantized layers replace `nn.Linear` in place; the tied embedding / output head stays in
 #   fp32 unless asked for.
 # * On real text, int8 costs little, and int4 in groups that do not line up with the model's own
-#   grid costs much more: the table above gives the numbers.
+#   grid costs much more: the table of section 5 gives the numbers.
+# * Fewer bytes turn into speed only where a kernel multiplies by the integers as they are:
+#   PyTorch's CPU kernels do, for bf16 inputs and a few rows at a time; rebuilding float weights
+#   does not, compiled or not (section 6).
+# * Sensitivity is uneven: quantizing one group at a time (your exercise 8.5) finds the layers
+#   that carry int4's loss, and keeping those in int8 buys much of it back for a few MiB.
+# * Quantized weights are kept in safetensors files with their scales, made once per checkpoint
+#   and scheme; the engine and `aie generate --quant` use them.
+# * The KV cache quantizes like the weights, a scale per head and position: fewer bytes per
+#   token, more requests in stage 07's pool.
 #
 # Commit the stage with `aie commit 08`.

@@ -141,6 +141,37 @@ def test_unknown_loop_is_refused(tiny_dir):
     assert out.returncode != 0 and "invalid choice: 'fast'" in out.stderr
 
 
+def test_quant_quantizes_once_and_reads_the_file_after(tiny_dir, tmp_path, monkeypatch):
+    """`--quant`: the first run writes the checkpoint's quantized/ file, the next read it, and
+    the tokens are those of the same quantized model in-process (engine and cached loop alike)."""
+    import shutil
+
+    from aie_lessons.cached_generate import generate_cached
+    from aie_lessons.model import LlamaModel
+    from aie_lessons.quantize import quantize_model
+    from aie_lessons.sampling import SamplingParams
+    from aie_lessons.tokenizer import Tokenizer
+
+    model_dir = tmp_path / "tiny"
+    shutil.copytree(tiny_dir, model_dir)
+    args = ("generate", "hello", "--model", str(model_dir), "--max-new-tokens", "6", "--json", "--quant", "int4-g32")
+    first = run(*args)
+    assert first.returncode == 0 and "quantizing tiny to int4-g32, once" in first.stderr, first.stderr
+    assert len(list((model_dir / "quantized").glob("*.safetensors"))) == 1
+    second, engine = run_json_side_by_side(monkeypatch, args, (*args, "--loop", "engine"))
+    tokenizer = Tokenizer.from_pretrained(model_dir)
+    model = quantize_model(LlamaModel.from_pretrained(model_dir), "int4-g32")
+    want = generate_cached(model, tokenizer, [tokenizer.encode("hello")], SamplingParams(max_new_tokens=6))[0]
+    assert json.loads(first.stdout)["token_ids"] == second["token_ids"] == engine["token_ids"] == want.token_ids
+
+
+def test_the_cli_names_every_quantization_scheme():
+    from aie_lessons.cli import QUANT_SCHEMES
+    from aie_lessons.quantize import SCHEMES
+
+    assert QUANT_SCHEMES == tuple(SCHEMES)
+
+
 def test_compiled_loop_with_bf16_activations_is_refused(tiny_dir):
     out = run("generate", "x", "--model", str(tiny_dir), "--loop", "compiled", "--activations", "bfloat16")
     assert out.returncode != 0 and "--loop compiled computes in float32" in out.stderr
@@ -309,6 +340,9 @@ BAD_INPUTS = [
     (("reset", "42"), "there is no stage 42"),
     (("status", "42"), "there is no stage 42"),
     (("status", "00"), "stage 00 has no exercises"),
+    (("generate", "x", "--model", "{tiny}", "--loop", "compiled", "--quant", "int8"), "cannot read quantized ones"),
+    (("generate", "x", "--model", "{tiny}", "--quant-head"), "Fix: add --quant SCHEME"),
+    (("generate", "x", "--quant", "int3"), "invalid choice: 'int3'"),
     (("frobnicate",), "invalid choice: 'frobnicate'"),
 ]
 

@@ -8,9 +8,13 @@ import torch
 from aie_lessons.checks import stage08 as checks
 from aie_lessons.infra.paths import DATA_DIR
 from aie_lessons.model import LlamaModel
-from aie_lessons.quantize import (SCHEMES, QuantizedLinear, QuantScheme, bytes_read_per_token, dequantize_int4, dequantize_int8,
+from aie_lessons.quantize import (KERNEL_MAX_ROWS, SCHEMES, QuantizedLinear, QuantScheme, block_linear_names,
+                                  bytes_read_per_token, cpu_kernels_available, dequantize_int4, dequantize_int8,
                                   pack_int4, quantize_int4, quantize_int8, quantize_model, unpack_int4)
-from aie_lessons.text_quality import text_quality
+from aie_lessons.quantized_checkpoint import layer_schemes
+from aie_lessons.sensitivity import groups_by_kind, groups_by_layer, sensitivity
+from aie_lessons.int8_kv_cache import Int8KVCache
+from aie_lessons.text_quality import ThroughCache, text_quality
 from aie_lessons.tokenizer import Tokenizer
 
 from check_expect import mutants, names_the_mistake
@@ -21,6 +25,7 @@ def test_the_reference_solutions_pass_their_checks():
     checks.check_pack_int4(pack_int4)
     checks.check_unpack_int4(unpack_int4)
     checks.check_quantize_int4(quantize_int4, dequantize_int4)
+    checks.check_sensitivity(sensitivity)
 
 
 # --- 8.1 ------------------------------------------------------------------------------------------
@@ -185,6 +190,64 @@ def test_group_int4_mistakes_are_named(wrong, message):
         checks.check_quantize_int4(wrong, dequantize_int4)
 
 
+# --- 8.5 ------------------------------------------------------------------------------------------
+
+
+def _sensitivity(model, groups, scheme, score, *, restore=True, finally_=True, subtract=True,
+                 scheme_used=None, same_modules=True, baseline_first=True, all_layers=False):
+    """The sensitivity loop with one of its usual mistakes switched on."""
+    from aie_lessons.quantize import block_linear_names
+
+    baseline = score(model) if baseline_first else None
+    changes = {}
+    for label, names in groups.items():
+        names = block_linear_names(model) if all_layers else names
+        originals = {name: model.get_submodule(name) for name in names}
+
+        def put_back():
+            for name, layer in originals.items():
+                back = layer if same_modules else torch.nn.Linear(layer.in_features, layer.out_features, bias=False)
+                model.set_submodule(name, back)
+
+        try:
+            for name, layer in originals.items():
+                model.set_submodule(name, QuantizedLinear.quantize(layer.weight.detach(), scheme_used or scheme))
+            value = score(model)
+            changes[label] = value - (baseline if subtract and baseline_first else 0)
+        except Exception:
+            if finally_ and restore:
+                put_back()
+            raise
+        if restore:
+            put_back()
+    if not baseline_first:
+        baseline = score(model)
+        changes = {label: value - baseline for label, value in changes.items()}
+    return changes
+
+
+def swallows_the_error(model, groups, scheme, score):
+    try:
+        return _sensitivity(model, groups, scheme, score)
+    except RuntimeError:
+        return {}
+
+
+@mutants("8.5", [
+    (lambda *a: _sensitivity(*a, restore=False), "so it was quantized too: put each group's original modules"),
+    (lambda *a: _sensitivity(*a, all_layers=True), "was quantized too"),
+    (lambda *a: _sensitivity(*a, subtract=False), "subtract the baseline"),
+    (lambda *a: _sensitivity(*a, finally_=False), "finally block"),
+    (lambda *a: _sensitivity(*a, scheme_used=SCHEMES["int4-g32"]), "not the scheme passed in"),
+    (lambda *a: _sensitivity(*a, same_modules=False), "put back the very modules"),
+    (lambda *a: _sensitivity(*a, baseline_first=False), "the first score must be the baseline"),
+    (swallows_the_error, "sensitivity returned normally"),
+])
+def test_sensitivity_mistakes_are_named(wrong, message):
+    with names_the_mistake("8.5", message):
+        checks.check_sensitivity(wrong)
+
+
 # --- the layers and the model ---------------------------------------------------------------------
 
 
@@ -196,9 +259,9 @@ def test_a_width_the_groups_do_not_divide_is_refused():
 @pytest.mark.parametrize("scheme", ["int8", "int4-g32", "int4-g192"])
 def test_quantized_linear_multiplies_by_the_dequantized_weight(scheme):
     w = torch.randn(256, 192, generator=torch.Generator().manual_seed(1))
-    layer = QuantizedLinear(w, SCHEMES[scheme])
+    layer = QuantizedLinear.quantize(w, SCHEMES[scheme])
     x = torch.randn(3, 5, 192)
-    assert torch.allclose(layer(x), x @ layer.dequantized().T, atol=1e-5)
+    assert torch.allclose(layer(x), x @ layer.dequantized().T, atol=1e-4, rtol=1e-4)  # int8 scales after the sum
     assert layer(x.bfloat16()).dtype == torch.bfloat16
     relative = (layer.dequantized() - w).norm() / w.norm()
     assert relative < (0.01 if scheme == "int8" else 0.2), relative
@@ -213,7 +276,7 @@ def test_quantize_model_swaps_the_blocks_layers_and_keeps_a_tied_head(tiny_dir):
     assert model.lm_head.weight is model.embed_tokens.weight  # the head is left alone by default
     after_blocks = bytes_read_per_token(model)
     assert after_blocks < before
-    quantize_model(model, "int8", head=True)
+    model = quantize_model(LlamaModel.from_pretrained(tiny_dir), "int8", head=True)
     assert isinstance(model.lm_head, QuantizedLinear)
     assert bytes_read_per_token(model) < after_blocks  # the head is read in int8 now
     with torch.inference_mode():
@@ -251,7 +314,15 @@ def corpus_quality(real_model_dir):
     reference = LlamaModel.from_pretrained(real_model_dir)
     variants = {scheme: quantize_model(LlamaModel.from_pretrained(real_model_dir), scheme)
                 for scheme in ("int8", "int4-g32", "int4-g64")}
+    variants["int8 cache"] = ThroughCache(reference, lambda shape: Int8KVCache(reference.config, shape[0], shape[1]))
     return text_quality(reference, variants, ids[:8193], progress=False)
+
+
+def test_an_int8_kv_cache_keeps_perplexity_within_one_percent(corpus_quality):
+    fp32, int8_cache = corpus_quality["reference"], corpus_quality["int8 cache"]
+    assert int8_cache.mean_kl > 0, "the int8 cache changed nothing: did attention read it?"
+    assert int8_cache.perplexity / fp32.perplexity - 1 < 0.01, (int8_cache, fp32)
+    assert int8_cache.top1 >= 0.98, int8_cache
 
 
 def test_int8_keeps_perplexity_within_one_percent(corpus_quality):
@@ -288,3 +359,148 @@ def test_int4_in_groups_of_32_rebuilds_every_projection(real_model):
     assert len(projections) == 7 * real_model.config.num_layers
     for weight in projections:
         assert torch.equal(dequantize_int4(*quantize_int4(weight, 32), 32), weight)
+
+
+# --- the fast paths -------------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(not cpu_kernels_available(SCHEMES["int8"]), reason="this PyTorch has no CPU int8 kernel")
+@pytest.mark.parametrize("scheme", ["int8", "int4-g32", "int4-g64"])
+@pytest.mark.parametrize("shape", [(576, 576), (192, 576), (1536, 576), (576, 1536)])
+def test_the_cpu_kernels_agree_with_the_plain_path(scheme, shape):
+    """The kernels round scales and inputs to bf16: they must agree with the exact plain path to
+    bf16's precision, on every shape of the model, for 1 and KERNEL_MAX_ROWS rows."""
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(*shape, generator=g) * 0.05
+    fast = QuantizedLinear.quantize(w, SCHEMES[scheme])
+    assert fast.kernels
+    used = []
+    original = fast._kernel_forward
+    fast._kernel_forward = lambda flat: used.append(flat.shape[0]) or original(flat)
+    for rows in (1, KERNEL_MAX_ROWS):
+        x = torch.randn(rows, shape[1], generator=g).bfloat16()
+        exact = x.float() @ fast.dequantized().T
+        got = fast(x)
+        assert got.dtype == torch.bfloat16
+        assert (got.float() - exact).abs().max() <= 0.01 * exact.abs().max(), (rows, scheme)
+    assert used == [1, KERNEL_MAX_ROWS]
+    for x in (torch.randn(KERNEL_MAX_ROWS + 1, shape[1]).bfloat16(), torch.randn(1, shape[1])):
+        fast(x)  # more rows, or fp32 inputs: the plain path
+    assert used == [1, KERNEL_MAX_ROWS]
+
+
+def test_groups_the_kernel_does_not_take_use_the_plain_path():
+    assert not QuantizedLinear.quantize(torch.randn(8, 192), SCHEMES["int4-g192"]).kernels
+    assert not QuantizedLinear.quantize(torch.randn(8, 64), SCHEMES["int8"], kernels=False).kernels
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4-g32"])
+def test_the_plain_path_works_a_block_of_rows_at_a_time(scheme, monkeypatch):
+    """More output rows than one block: every block is multiplied, and the result is the same."""
+    import aie_lessons.quantize as quantize
+
+    w = torch.randn(300, 64, generator=torch.Generator().manual_seed(4))
+    layer = QuantizedLinear.quantize(w, SCHEMES[scheme], kernels=False)
+    x = torch.randn(2, 3, 64)
+    whole = layer(x)
+    monkeypatch.setattr(quantize, "PLAIN_CHUNK_ROWS", 128)
+    assert torch.allclose(layer(x), whole, atol=1e-5)
+    assert torch.allclose(whole, x @ layer.dequantized().T, atol=1e-5)
+
+
+# --- overrides, sensitivity groups, files ---------------------------------------------------------
+
+
+def test_overrides_give_named_layers_another_scheme(tiny_dir):
+    model = quantize_model(LlamaModel.from_pretrained(tiny_dir), "int4-g32",
+                           overrides={"layers.1": "int8", "layers.0.mlp.down_proj": "int8"})
+    schemes = layer_schemes(model)
+    assert len(schemes) == 7 * len(model.layers)
+    for name, scheme in schemes.items():
+        want = "int8" if name.startswith("layers.1.") or name == "layers.0.mlp.down_proj" else "int4-g32"
+        assert scheme.name == want, name
+    with pytest.raises(ValueError, match="override 'layers.9' names no linear layer"):
+        quantize_model(LlamaModel.from_pretrained(tiny_dir), "int8", overrides={"layers.9": "int8"})
+    with pytest.raises(ValueError, match="quantized already: quantize a model loaded afresh"):
+        quantize_model(model, "int8")
+
+
+def test_sensitivity_groups_cover_every_layer_once(tiny_dir):
+    model = LlamaModel.from_pretrained(tiny_dir)
+    names = block_linear_names(model)
+    for groups in (groups_by_layer(model), groups_by_kind(model)):
+        assert sorted(n for group in groups.values() for n in group) == sorted(names)
+    assert list(groups_by_kind(model)) == ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def test_a_saved_model_loads_back_bit_for_bit_and_is_made_once(tiny_dir, tmp_path, monkeypatch):
+    import aie_lessons.quantized_checkpoint as files
+
+    first = files.quantized_model(tiny_dir, "int4-g32", head=True, overrides={"layers.0": "int8"},
+                                  cache_dir=tmp_path)
+    assert len(list(tmp_path.glob("*.safetensors"))) == 1
+    monkeypatch.setattr(files, "quantize_model", lambda *a, **k: pytest.fail("quantized again"))
+    again = files.quantized_model(tiny_dir, "int4-g32", head=True, overrides={"layers.0": "int8"},
+                                  cache_dir=tmp_path)
+    assert layer_schemes(first) == layer_schemes(again) and "lm_head" in layer_schemes(again)
+    for name in layer_schemes(first):
+        for part in ("q", "scale", "zero"):
+            assert torch.equal(getattr(first.get_submodule(name), part), getattr(again.get_submodule(name), part))
+    ids = torch.tensor([[1, 2, 3, 4]])
+    with torch.inference_mode():
+        assert torch.equal(first(ids), again(ids))
+
+
+def test_a_file_from_another_checkpoint_or_not_ours_is_refused(tiny_dir, tiny_untied_dir, tmp_path):
+    from aie_lessons.quantized_checkpoint import load_quantized, save_quantized
+    from safetensors.torch import save_file
+
+    path = save_quantized(quantize_model(LlamaModel.from_pretrained(tiny_dir), "int8"), tmp_path / "q.safetensors",
+                          tiny_dir)
+    with pytest.raises(ValueError, match="quantized from another checkpoint than"):
+        load_quantized(tiny_untied_dir, path)
+    save_file({"x": torch.zeros(1)}, str(tmp_path / "other.safetensors"))
+    with pytest.raises(ValueError, match="not a quantized-weights file of this course"):
+        load_quantized(tiny_dir, tmp_path / "other.safetensors")
+    with pytest.raises(ValueError, match="no quantized layer"):
+        save_quantized(LlamaModel.from_pretrained(tiny_dir), tmp_path / "none.safetensors", tiny_dir)
+
+
+def test_the_engine_on_a_quantized_model_gives_stage04s_tokens(tiny_untied_dir):
+    from aie_lessons.cached_generate import generate_cached
+    from aie_lessons.engine.paged_engine import paged_engine
+    from aie_lessons.sampling import SamplingParams
+
+    tokenizer = Tokenizer.from_pretrained(tiny_untied_dir)
+    model = quantize_model(LlamaModel.from_pretrained(tiny_untied_dir), "int8", head=True)
+    prompts = ["hello there", "the quick brown fox", "a"]
+    params = SamplingParams(max_new_tokens=10, ignore_eos=True)
+    engine = paged_engine(model, tokenizer, max_seqs=3, kv_bytes=2**20)
+    engine_ids = [r.token_ids for r in engine.generate(prompts, params)]
+    loop_ids = [generate_cached(model, tokenizer, [tokenizer.encode(p)], params)[0].token_ids for p in prompts]
+    assert engine_ids == loop_ids
+
+
+# --- the int8 KV cache ----------------------------------------------------------------------------
+
+
+def test_the_int8_cache_stores_each_head_vector_within_half_a_step(tiny_dir):
+    from aie_lessons.int8_kv_cache import Int8KVCache, int8_kv_bytes_per_token
+    from aie_lessons.kv_cache import CacheFullError
+
+    config = LlamaModel.from_pretrained(tiny_dir).config
+    cache = Int8KVCache(config, batch_size=2, max_len=10)
+    assert cache.nbytes == 2 * 10 * int8_kv_bytes_per_token(config)
+    g = torch.Generator().manual_seed(5)
+    k, v = (torch.randn(2, config.num_kv_heads, 4, config.head_dim, generator=g) * 3 for _ in range(2))
+    keys, values = cache.update(1, k, v, start=0)
+    k2, v2 = (torch.randn(2, config.num_kv_heads, 1, config.head_dim, generator=g) for _ in range(2))
+    keys, values = cache.update(1, k2, v2, start=4)
+    assert keys.shape == (2, config.num_kv_heads, 5, config.head_dim)
+    for got, want in ((keys, torch.cat([k, k2], 2)), (values, torch.cat([v, v2], 2))):
+        step = want.abs().amax(-1, keepdim=True) / 127
+        assert ((got - want).abs() <= step / 2 + 1e-6).all()
+    assert torch.equal(keys[:, :, :4], cache.update(1, k2, v2, start=4)[0][:, :, :4])  # old tokens unchanged
+    assert cache.update(0, k.bfloat16(), v.bfloat16(), start=0)[0].dtype == torch.bfloat16
+    with pytest.raises(CacheFullError, match="holds positions 0 … 9; writing 4 at column 8 needs 12"):
+        cache.update(0, k, v, start=8)

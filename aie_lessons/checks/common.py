@@ -84,3 +84,21 @@ def isolated(fn, **reference_helpers):
         yield
     finally:
         namespace.update(saved)
+
+
+def random_model(layers: int, weight_dtype: torch.dtype, tie: bool, seed: int, cls=None):
+    """A small random Llama with ``layers`` layers, 4 query heads sharing 2 kv heads (checks of
+    several stages run learners' code on it, where the real model would take too long)."""
+    from aie_lessons.config import ModelConfig
+    from aie_lessons.model import LlamaModel
+
+    config = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=layers, num_heads=4,
+                         num_kv_heads=2, head_dim=8, rms_norm_eps=1e-5, rope_theta=10000.0,
+                         max_position_embeddings=64, tie_word_embeddings=tie, eos_token_ids=(1,))
+    model = (cls or LlamaModel)(config)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=g)
+            p.copy_(1 + 0.1 * noise if name.endswith("norm.weight") else 0.3 * noise)
+    return model.to(weight_dtype).eval()

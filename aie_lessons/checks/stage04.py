@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import torch
 
-from aie_lessons.checks.common import CheckFailed, call, expect_shape, fail, isolated, passed
+from aie_lessons.checks.common import CheckFailed, call, expect_shape, fail, isolated, passed, random_model
 
 
 # --- 4.1 the cache -------------------------------------------------------------------------------
@@ -188,23 +188,6 @@ def check_next_positions(next_positions) -> None:
 
 
 # --- 4.3 prefill, then decode -------------------------------------------------------------------
-def _random_model(layers: int, weight_dtype: torch.dtype, tie: bool, seed: int, cls=None):
-    """A small random Llama with ``layers`` layers, 4 query heads sharing 2 kv heads."""
-    from aie_lessons.config import ModelConfig
-    from aie_lessons.model import LlamaModel
-
-    config = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=layers, num_heads=4,
-                         num_kv_heads=2, head_dim=8, rms_norm_eps=1e-5, rope_theta=10000.0,
-                         max_position_embeddings=64, tie_word_embeddings=tie, eos_token_ids=(1,))
-    model = (cls or LlamaModel)(config)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            noise = torch.randn(p.shape, generator=g)
-            p.copy_(1 + 0.1 * noise if name.endswith("norm.weight") else 0.3 * noise)
-    return model.to(weight_dtype).eval()
-
-
 @dataclass
 class _Call:
     ids: torch.Tensor
@@ -417,7 +400,7 @@ def _run_case(cached_steps, prompts: list[list[int]], params: list, weight_dtype
     """Run the loop on one random model, judging each call as it comes, then every step's logits."""
     from aie_lessons.sampling import make_generator, sample_row
 
-    model = _random_model(layers, weight_dtype, tie=False, seed=seed, cls=_spy_class())
+    model = random_model(layers, weight_dtype, tie=False, seed=seed, cls=_spy_class())
     allocations = _Allocations()
     references = {"KVCache": _reference_cache_class(allocations), "left_pad": _reference_left_pad,
                   "attention_mask": _reference_attention_mask, "next_positions": _reference_next_positions}
@@ -535,7 +518,7 @@ def check_decode_bytes(decode_bytes_per_token) -> None:
     """Exercise 4.4: tied and untied heads, fp32 and bf16 weights, caches of several lengths and dtypes."""
     for tie in (True, False):
         for weight_dtype in (torch.float32, torch.bfloat16):
-            model = _random_model(3, weight_dtype, tie=tie, seed=7)
+            model = random_model(3, weight_dtype, tie=tie, seed=7)
             config = model.config
             size = torch.empty((), dtype=weight_dtype).element_size()
             table = config.vocab_size * config.hidden_size * size

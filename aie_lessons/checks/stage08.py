@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from aie_lessons.checks.common import call, expect_shape, fail, isolated, passed
+from aie_lessons.checks.common import CheckFailed, call, expect_shape, fail, isolated, passed, random_model
 
 SHAPES = ((4, 8), (7, 16), (3, 64), (16, 32))
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -238,3 +238,92 @@ def check_quantize_int4(quantize_int4, dequantize_int4) -> None:
                     fail("8.4", "dequantize_int4 does not give q × scale + zero")
     passed("8.4", "a scale and a zero per group (8, 16 and 32 wide) in fp32, bf16 and fp16, a group "
                   "of equal weights included; every weight within half a step")
+
+
+# --- 8.5 the sensitivity loop ---------------------------------------------------------------------
+class _ScoreFailed(RuntimeError):
+    """The check's score raises this on purpose, to see that the model is restored anyway."""
+
+
+def check_sensitivity(sensitivity) -> None:
+    """8.5: on a 3-block random model, with a score that records which layers are quantized at
+    each call: every group alone, the change against the baseline, the original modules back
+    (also when the score raises), the scheme passed in."""
+    from aie_lessons.quantize import QuantizedLinear, QuantScheme, block_linear_names
+
+    model = random_model(3, torch.float32, tie=True, seed=85)
+    names = block_linear_names(model)
+    originals = {name: model.get_submodule(name) for name in names}
+    scheme = QuantScheme("int4-g16", 4, 16)  # not one of SCHEMES: the loop must use the one given
+    groups = {"block 2 attention": [n for n in names if n.startswith("layers.2.self_attn.")],
+              "down_proj": [n for n in names if n.endswith("down_proj")],
+              "block 0": [n for n in names if n.startswith("layers.0.")]}
+    seen: list[set[str]] = []
+
+    def score(m) -> float:
+        quantized = {n for n in names if isinstance(m.get_submodule(n), QuantizedLinear)}
+        wrong = {n for n in quantized if m.get_submodule(n).scheme != scheme}
+        if wrong:
+            fail("8.5", f"{sorted(wrong)[0]} was quantized with {m.get_submodule(sorted(wrong)[0]).scheme.name}, "
+                        f"not the scheme passed in ({scheme.name})")
+        seen.append(quantized)
+        return 10.0 + len(quantized)  # a score that grows with every quantized layer
+
+    try:
+        changes = call("8.5", sensitivity, model, groups, scheme, score)
+    except CheckFailed as exc:
+        if isinstance(exc.__cause__, AttributeError) and "QuantizedLinear" in str(exc.__cause__):
+            fail("8.5", f"{exc.__cause__}: a layer was still quantized when a later group (they overlap "
+                        "here) came to it, so it was quantized too: put each group's original modules back "
+                        "before the next group")
+        raise
+    if not seen or seen[0]:
+        fail("8.5", "the first score must be the baseline: score(model) before anything is quantized")
+    for label, names_in_group in groups.items():
+        matching = [s for s in seen[1:] if s == set(names_in_group)]
+        if not matching:
+            extra = [s - set(names_in_group) for s in seen[1:] if s >= set(names_in_group)]
+            if extra:
+                fail("8.5", f"while group {label!r} was scored, {sorted(extra[0])[0]} was quantized too: "
+                            "put each group's original modules back before the next group")
+            fail("8.5", f"no score saw exactly group {label!r}'s {len(names_in_group)} layers quantized "
+                        f"(scores saw {[len(s) for s in seen[1:]]} quantized layers)")
+    if not isinstance(changes, dict) or list(changes) != list(groups):
+        fail("8.5", f"return a dict with one entry per group, in the groups' order {list(groups)}; "
+                    f"got {list(changes) if isinstance(changes, dict) else type(changes).__name__}")
+    for label, names_in_group in groups.items():
+        want = float(len(names_in_group))
+        if abs(changes[label] - want) > 1e-9:
+            extra = " (that is the score itself: subtract the baseline)" if abs(changes[label] - want - 10) < 1e-9 else ""
+            fail("8.5", f"group {label!r}: the change should be score − baseline = {want:g}, got "
+                        f"{changes[label]!r}{extra}")
+    for name, layer in originals.items():
+        if model.get_submodule(name) is not layer:
+            fail("8.5", f"after the loop, {name} is a {type(model.get_submodule(name)).__name__}, not the "
+                        "module that was there: put back the very modules you took out")
+
+    calls = []
+
+    def failing_score(m) -> float:
+        calls.append(1)
+        if len(calls) == 2:  # the first group's measurement fails
+            raise _ScoreFailed("a measurement failed on purpose")
+        return 1.0
+
+    raised = None
+    try:
+        sensitivity(model, groups, scheme, failing_score)
+    except _ScoreFailed as exc:  # what should happen: the score's error reaches the caller
+        raised = exc
+    except Exception as exc:  # the learner's code may raise anything; we report it
+        fail("8.5", f"when score raised, your code raised {type(exc).__name__}: {exc} instead of letting "
+                    "the score's error through")
+    if raised is None:
+        fail("8.5", "score raised an error, and sensitivity returned normally: let the error through "
+                    "(after putting the modules back)")
+    left = [name for name, layer in originals.items() if model.get_submodule(name) is not layer]
+    if left:
+        fail("8.5", f"when a score raised an error, {left[0]} stayed quantized: put the modules back in a "
+                    "finally block, so that an error (or an interrupt) leaves the model as it was")
+    passed("8.5", "each group quantized alone with the scheme given, changes against the baseline, "
+                  "the original modules back after the loop and after a failed score")
