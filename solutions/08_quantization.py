@@ -707,14 +707,15 @@ for path in paths:
     print(f"{path:<38} {matrix_us[1][path]:8.0f} {matrix_us[16][path]:8.0f}")
 
 # %% [markdown]
-# The kernels win at one row by reading one byte (int8) or half a byte (int4) per weight and
-# never writing a float copy; rebuilding the weight costs more than the multiplication it saves.
-# The compiled rebuild does not fuse into a matrix multiplication on the CPU here — inductor
-# hands the matmul to a library call and still writes the float weight first.
+# At one row the kernels win: they read one byte (int8) or half a byte (int4) per weight and
+# never make a float copy, while rebuilding the weight costs more than the multiplication it
+# feeds. Giving the rebuild to `torch.compile` does not close that gap (the compiled rows): a
+# compiler can only fuse what it has a fast loop for, and here the multiplication itself stays
+# a library call that wants float weights.
 #
-# But the kernels are matrix–*vector* kernels: their time grows with every row, while a matmul's
-# barely moves. Where do the lines cross? `QuantizedLinear` uses the kernels up to
-# `KERNEL_MAX_ROWS` rows; this chart is where that number comes from on your machine.
+# But the kernels are matrix–*vector* kernels: their time grows with every row, while a
+# matmul's barely moves. Where do the lines cross? `QuantizedLinear` uses the kernels up to
+# `KERNEL_MAX_ROWS` rows; the chart shows whether that suits your machine.
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -729,8 +730,8 @@ fig, ax = plt.subplots(figsize=(6.5, 3.6))
 for label, times in crossover.items():
     ax.plot(row_counts, times, marker="o", label=label, linestyle="--" if "kernel" in label else "-")
 ax.axvline(KERNEL_MAX_ROWS, color="grey", linewidth=1)
-ax.annotate("KERNEL_MAX_ROWS", (KERNEL_MAX_ROWS, ax.get_ylim()[1]), textcoords="offset points",
-            xytext=(4, -12), fontsize=8, color="grey")
+ax.annotate("KERNEL_MAX_ROWS", (KERNEL_MAX_ROWS, ax.get_ylim()[0]), textcoords="offset points",
+            xytext=(4, 4), fontsize=8, color="grey")
 ax.set_xscale("log", base=2)
 ax.set_yscale("log")
 ax.set_xlabel("rows (tokens in the step)")
@@ -750,9 +751,10 @@ print("rows at which the int8 kernel was faster than the plain path here:", fast
 # reads (`bytes_read_per_token`) over its time, and **tokens/s** is the batch over it. The
 # roofline is the read bandwidth of stage 04's probe: the most any step could stream.
 #
-# The quantized variants compute in bf16, so that the kernels apply. With the head left in fp32
-# (the default), every step also converts the 113 MiB table to bf16, a block of rows at a time
-# (stage 04's `Linear`): quantizing the head too is what removes the largest read.
+# The quantized variants compute the blocks in bf16, so that the kernels apply. The output head
+# always computes in fp32 — logits leave the model in fp32, or close candidates would tie
+# (stage 04) — and the kernels take only bf16: a quantized head reads a quarter of the bytes
+# but takes the plain path.
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -812,7 +814,8 @@ for ax, batch in zip(axes, (1, 16)):
     ax.bar(range(len(names)), rates, color="tab:blue", label="measured")
     ax.scatter(range(len(names)), ceilings, marker="_", s=400, color="tab:red", label="read roofline")
     ax.set_xticks(range(len(names)), names, rotation=30, ha="right", fontsize=8)
-    ax.set_ylabel("tokens/s")
+    ax.set_ylabel("tokens/s (log scale)")
+    ax.set_yscale("log")
     ax.set_title(f"decode, batch {batch}")
     ax.grid(alpha=0.3, axis="y")
 axes[0].legend(fontsize=8)
@@ -820,11 +823,16 @@ fig.tight_layout()
 plt.show()
 
 # %% [markdown]
-# At batch 1 the integer kernels turn fewer bytes into time, once the head is quantized too.
-# At batch 16 each step has 16 rows per matrix: the plain path's rebuild and a real matrix
-# multiplication take over, and the weights' bytes count for less — stage 09 draws this
-# turn from memory-bound to compute-bound on the roofline. The kernels round the scales and the
-# inputs to bf16; here is how far that moves one decode step's logits from the plain path's:
+# Read the table against the roofline. At batch 1, int8 with the kernels against int8 on the
+# plain path is the kernels' whole effect: the same bytes, read as integers or rebuilt as
+# floats. The quantized head reads far fewer bytes (the MiB column), but on the plain path it
+# saves no time. And the quantized variants stay far below their rooflines: at one byte per
+# weight or less, the time goes to unpacking and scaling, not to reading memory. At batch 16, one
+# read of the weights serves 16 tokens, so tokens/s rises for every variant and bytes matter
+# less again — stage 09 draws this turn from memory-bound to compute-bound on the roofline.
+#
+# The kernels round the scales and the inputs to bf16; here is how far that moves one decode
+# step's logits from the plain path's:
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -1180,7 +1188,7 @@ from aie_lessons.cached_generate import generate_cached
 from aie_lessons.engine.paged_engine import paged_engine
 from aie_lessons.sampling import SamplingParams
 
-int8_model = quantized_model(MODEL_DIR, "int8")
+int8_model = quantize_model(LlamaModel.from_pretrained(MODEL_DIR), "int8")
 params = SamplingParams(max_new_tokens=12)
 prompts = ["The capital of France is", "A list in Python is", "Quantization means"]
 engine = paged_engine(int8_model, tokenizer, max_seqs=3, kv_bytes=32 * 2**20)
