@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from aie_lessons.config import ModelConfig
-from aie_lessons.kv_cache import CacheFullError
+from aie_lessons.kv_cache import CacheFullError, KVCache
 from aie_lessons.quantize import quantize_int8
 
 
@@ -17,29 +17,28 @@ def int8_kv_bytes_per_token(config: ModelConfig) -> int:
     return 2 * config.num_layers * config.num_kv_heads * (config.head_dim + 4)
 
 
-class Int8KVCache:
-    """Stage 04's ``KVCache``, with int8 keys and values and a float32 scale per (layer, row,
+class Int8KVCache(KVCache):
+    """Stage 04's ``KVCache`` with int8 keys and values and a float32 scale per (layer, row,
     head, position); ``update`` returns floats in the dtype of what it is given."""
 
     def __init__(self, config: ModelConfig, batch_size: int, max_len: int, device: torch.device | str = "cpu"):
-        shape = (config.num_layers, batch_size, config.num_kv_heads, max_len, config.head_dim)
-        self.keys = torch.zeros(shape, dtype=torch.int8, device=device)
-        self.values = torch.zeros(shape, dtype=torch.int8, device=device)
-        self.key_scales = torch.ones(shape[:-1], device=device)
-        self.value_scales = torch.ones(shape[:-1], device=device)
-        self.max_len = max_len
+        super().__init__(config, batch_size, max_len, torch.int8, device)
+        self.key_scales = torch.ones(self.keys.shape[:-1], device=device)
+        self.value_scales = torch.ones(self.values.shape[:-1], device=device)
 
     @property
     def nbytes(self) -> int:
-        return sum(t.nbytes for t in (self.keys, self.values, self.key_scales, self.value_scales))
+        return super().nbytes + self.key_scales.nbytes + self.value_scales.nbytes
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Store k, v (B, Hkv, S, D) at columns start … start+S-1; return columns 0 … start+S-1."""
         end = start + k.shape[2]
-        if start < 0 or end > self.max_len:
-            raise CacheFullError(f"the int8 KV cache holds positions 0 … {self.max_len - 1}; writing "
-                                 f"{k.shape[2]} at column {start} needs {end}. Fix: allocate max_len ≥ "
-                                 f"prompt + max_new_tokens (here {end})")
+        if start < 0:
+            raise ValueError(f"start={start}: cache columns start at 0")
+        if end > self.max_len:
+            raise CacheFullError(f"the int8 KV cache holds {self.max_len} positions; writing {k.shape[2]} at "
+                                 f"column {start} needs {end}. Fix: allocate max_len ≥ prompt + "
+                                 f"max_new_tokens (here {end})")
         for new, store, scales in ((k, self.keys, self.key_scales), (v, self.values, self.value_scales)):
             q, scale = quantize_int8(new.reshape(-1, new.shape[-1]))  # one row per head and position
             store[layer, :, :, start:end] = q.reshape(new.shape)

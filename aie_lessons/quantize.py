@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from aie_lessons.model import LlamaModel
+from aie_lessons.model import Linear, LlamaModel
 
 INT8_MAX = 127
 INT4_MIN, INT4_MAX = -8, 7
@@ -105,21 +105,15 @@ def scheme_named(scheme: QuantScheme | str) -> QuantScheme:
 
 
 # Up to this many rows (tokens of a step), the CPU integer kernels beat rebuilding the weight;
-# section 6 of stage 08 measures the crossover (about 16 rows for int8 on the Xeon it was written on).
+# section 6 of stage 08 charts the crossover on the learner's machine.
 KERNEL_MAX_ROWS = 16
-# The plain path rebuilds this many output rows of a weight at a time (see _plain_forward).
-PLAIN_CHUNK_ROWS = 1024
-
-
 INT4_KERNEL_GROUP_SIZES = (32, 64, 128, 256)  # the only ones _weight_int4pack_mm_for_cpu takes
 
 
-def cpu_kernels_available(scheme: QuantScheme) -> bool:
-    """Whether this PyTorch has a CPU weight-only kernel for ``scheme`` (they came in 2.4–2.6)."""
-    if scheme.bits == 8:
-        return hasattr(torch.ops.aten, "_weight_int8pack_mm")
-    return (scheme.group_size in INT4_KERNEL_GROUP_SIZES
-            and hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"))
+def kernel_fits(scheme: QuantScheme, out_features: int) -> bool:
+    """Whether PyTorch's CPU kernel takes a layer of this scheme and width: int8 always; int4
+    in groups of 32, 64, 128 or 256, with a multiple of 16 outputs (its tiles)."""
+    return scheme.bits == 8 or (scheme.group_size in INT4_KERNEL_GROUP_SIZES and out_features % 16 == 0)
 
 
 class QuantizedLinear(nn.Module):
@@ -128,13 +122,24 @@ class QuantizedLinear(nn.Module):
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, scheme: QuantScheme,
                  kernels: bool = True) -> None:
         super().__init__()
+        rows, stored = q.shape
+        columns = stored * 2 if scheme.bits == 4 else stored  # int4: two per byte
+        groups = 1 if scheme.bits == 8 else columns // scheme.group_size
+        want = {"q": (torch.int8 if scheme.bits == 8 else torch.uint8, (rows, stored)),
+                "scale": (torch.float32, (rows,) if scheme.bits == 8 else (rows, groups)),
+                "zero": (torch.float32, (0,) if scheme.bits == 8 else (rows, groups))}
+        for name, tensor in (("q", q), ("scale", scale), ("zero", zero)):
+            dtype, shape = want[name]
+            if tensor.dtype != dtype or tuple(tensor.shape) != shape:
+                raise ValueError(f"{scheme.name}: {name} should be {dtype} of shape {shape}, got {tensor.dtype} "
+                                 f"of shape {tuple(tensor.shape)}. Fix: make the layer with "
+                                 "QuantizedLinear.quantize(weight, scheme)")
         self.scheme = scheme
-        self.out_features = q.shape[0]
-        self.in_features = q.shape[1] * (2 if scheme.bits == 4 else 1)  # int4: two per byte
+        self.out_features, self.in_features = rows, columns
         self.register_buffer("q", q)
         self.register_buffer("scale", scale)
         self.register_buffer("zero", zero)  # int8 is symmetric: an empty zero, the same buffers
-        self.kernels = kernels and cpu_kernels_available(scheme)
+        self.kernels = kernels and kernel_fits(scheme, rows)
         self._kernel_weights: tuple[torch.Tensor, torch.Tensor] | None = None  # made on first use
 
     @classmethod
@@ -144,6 +149,14 @@ class QuantizedLinear(nn.Module):
             q, scale = quantize_int8(weight)
             return cls(q, scale, scale.new_zeros(0), scheme, kernels)
         return cls(*quantize_int4(weight, scheme.group_size), scheme, kernels)
+
+    def _apply(self, fn, recurse: bool = True):
+        self._kernel_weights = None  # .to() and friends change the buffers: make the layout again
+        return super()._apply(fn, recurse)
+
+    def _load_from_state_dict(self, *args, **kwargs) -> None:
+        self._kernel_weights = None  # new integers and scales: make the layout again
+        super()._load_from_state_dict(*args, **kwargs)
 
     def dequantized(self, rows: slice = slice(None)) -> torch.Tensor:
         """The float32 weight (or some of its output ``rows``): what the integers stand for."""
@@ -155,19 +168,19 @@ class QuantizedLinear(nn.Module):
         flat = x.reshape(-1, self.in_features)
         if (self.kernels and x.dtype == torch.bfloat16 and x.device.type == "cpu"
                 and flat.shape[0] <= KERNEL_MAX_ROWS):
-            out = self._kernel_forward(flat)
+            out = self._kernel_forward(flat.contiguous())
         else:
             out = self._plain_forward(flat)
         return out.reshape(*x.shape[:-1], self.out_features)
 
     def _plain_forward(self, flat: torch.Tensor) -> torch.Tensor:
-        """Rebuild the weight ``PLAIN_CHUNK_ROWS`` output rows at a time and multiply each block
-        at once, while it is still in the CPU's cache: rebuilding the 49152-row head whole would
-        write (and read back) a 113 MB float copy per call. int8 scales the outputs instead of
-        the weight: the row's scale leaves the sum."""
+        """Rebuild the weight a block of output rows at a time (as many as stage 04's ``Linear``
+        converts at once) and multiply each block while it is still in the CPU's cache:
+        rebuilding the 49152-row head whole would write (and read back) a 113 MB float copy per
+        call. int8 scales the outputs instead of the weight: the row's scale leaves the sum."""
         out = torch.empty(flat.shape[0], self.out_features, dtype=flat.dtype, device=flat.device)
-        for start in range(0, self.out_features, PLAIN_CHUNK_ROWS):
-            rows = slice(start, start + PLAIN_CHUNK_ROWS)
+        for start in range(0, self.out_features, Linear.UPCAST_ROWS):
+            rows = slice(start, start + Linear.UPCAST_ROWS)
             if self.scheme.bits == 8:
                 out[:, rows] = F.linear(flat, self.q[rows].to(flat.dtype)) * self.scale[rows].to(flat.dtype)
             else:
@@ -205,30 +218,45 @@ def block_linear_names(model: LlamaModel) -> list[str]:
             if isinstance(module, (nn.Linear, QuantizedLinear))]
 
 
+def layer_schemes_for(names: list[str], scheme: QuantScheme,
+                      overrides: Mapping[str, QuantScheme | str] | None = None) -> dict[str, QuantScheme]:
+    """The scheme of each layer: ``scheme``, unless an override names the layer or a prefix of
+    it (``layers.3``); the longest matching override wins, whatever the order they came in."""
+    resolved = {prefix: scheme_named(s) for prefix, s in (overrides or {}).items()}
+    for prefix in resolved:
+        if not any(name == prefix or name.startswith(prefix + ".") for name in names):
+            raise ValueError(f"override {prefix!r} names no linear layer of the blocks "
+                             f"(they are named like {names[0]!r} or 'layers.0')")
+    chosen = {}
+    for name in names:
+        matching = [prefix for prefix in resolved if name == prefix or name.startswith(prefix + ".")]
+        chosen[name] = resolved[max(matching, key=len)] if matching else scheme
+    return chosen
+
+
 def quantize_model(model: LlamaModel, scheme: QuantScheme | str, head: bool = False,
                    overrides: Mapping[str, QuantScheme | str] | None = None,
                    kernels: bool = True) -> LlamaModel:
     """Replace the blocks' linear layers (and with ``head`` the output head) by quantized ones,
     in place. ``overrides`` maps layer names, or a prefix such as ``layers.3``, to another
-    scheme. A tied head gets its own quantized copy; the embedding lookup keeps the table."""
+    scheme. A tied head gets its own quantized copy; the embedding lookup keeps the table.
+    Everything is checked before the first layer changes: an error leaves the model as it was."""
     scheme = scheme_named(scheme)
-    overrides = {prefix: scheme_named(s) for prefix, s in (overrides or {}).items()}
-    names = block_linear_names(model)
-    for prefix in overrides:
-        if not any(name == prefix or name.startswith(prefix + ".") for name in names):
-            raise ValueError(f"override {prefix!r} names no linear layer of the blocks "
-                             f"(they are named like {names[0]!r} or 'layers.0')")
-    for name in names:
+    plan = layer_schemes_for(block_linear_names(model), scheme, overrides)
+    if head:
+        plan["lm_head"] = scheme
+    for name, layer_scheme in plan.items():
         layer = model.get_submodule(name)
         if not isinstance(layer, nn.Linear):
             raise ValueError(f"{name} is quantized already: quantize a model loaded afresh")
         if layer.bias is not None:
             raise ValueError(f"{name} has a bias: these quantized layers take none")
-        chosen = [s for prefix, s in overrides.items() if name == prefix or name.startswith(prefix + ".")]
-        layer_scheme = chosen[-1] if chosen else scheme
-        model.set_submodule(name, QuantizedLinear.quantize(layer.weight.detach(), layer_scheme, kernels))
-    if head:
-        model.lm_head = QuantizedLinear.quantize(model.lm_head.weight.detach(), scheme, kernels)
+        if layer_scheme.bits == 4 and layer.in_features % layer_scheme.group_size:
+            raise ValueError(f"{name}: {layer.in_features} inputs do not split into groups of "
+                             f"{layer_scheme.group_size}. Fix: a group size that divides {layer.in_features}")
+    for name, layer_scheme in plan.items():
+        model.set_submodule(name, QuantizedLinear.quantize(model.get_submodule(name).weight.detach(),
+                                                           layer_scheme, kernels))
     return model
 
 

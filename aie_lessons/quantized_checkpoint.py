@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
 import sys
 from collections.abc import Mapping
@@ -14,8 +15,11 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+import aie_lessons.quantize
+from aie_lessons.config import ModelConfig
 from aie_lessons.model import LlamaModel
-from aie_lessons.quantize import QuantizedLinear, QuantScheme, quantize_model, scheme_named
+from aie_lessons.quantize import (QuantizedLinear, QuantScheme, block_linear_names, layer_schemes_for,
+                                  quantize_model, scheme_named)
 
 FORMAT = "aie-quantized-1"
 
@@ -36,6 +40,10 @@ def layer_schemes(model: LlamaModel) -> dict[str, QuantScheme]:
     return {name: module.scheme for name, module in model.named_modules() if isinstance(module, QuantizedLinear)}
 
 
+def _schemes_json(schemes: Mapping[str, QuantScheme]) -> str:
+    return json.dumps({name: [s.name, s.bits, s.group_size] for name, s in schemes.items()}, sort_keys=True)
+
+
 def save_quantized(model: LlamaModel, path: str | Path, model_dir: str | Path) -> Path:
     """Write the quantized layers of ``model`` (quantized from ``model_dir``) to ``path``."""
     schemes = layer_schemes(model)
@@ -46,8 +54,7 @@ def save_quantized(model: LlamaModel, path: str | Path, model_dir: str | Path) -
         layer = model.get_submodule(name)
         for part in ("q", "scale", "zero"):
             tensors[f"{name}.{part}"] = getattr(layer, part).contiguous().cpu()
-    metadata = {"format": FORMAT, "checkpoint": checkpoint_fingerprint(model_dir),
-                "schemes": json.dumps({name: [s.name, s.bits, s.group_size] for name, s in schemes.items()})}
+    metadata = {"format": FORMAT, "checkpoint": checkpoint_fingerprint(model_dir), "schemes": _schemes_json(schemes)}
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_suffix(".partial")  # a file cut short by an interrupt is never read as whole
@@ -57,18 +64,22 @@ def save_quantized(model: LlamaModel, path: str | Path, model_dir: str | Path) -
 
 
 def read_metadata(path: str | Path) -> dict[str, str]:
+    """The file's metadata, checked to be this course's format: what ``load_quantized`` trusts."""
     with safe_open(str(path), framework="pt") as file:
-        return file.metadata() or {}
+        metadata = file.metadata() or {}
+    if metadata.get("format") != FORMAT or not {"checkpoint", "schemes"} <= set(metadata):
+        raise ValueError(f"{path} is not a quantized-weights file of this course (format "
+                         f"{metadata.get('format')!r}, expected {FORMAT!r}). Fix: make it with "
+                         "save_quantized, or let quantized_model make it")
+    return metadata
 
 
 def load_quantized(model_dir: str | Path, path: str | Path, dtype: torch.dtype = torch.float32,
                    device: str | torch.device = "cpu", activations: torch.dtype = torch.float32,
                    kernels: bool = True) -> LlamaModel:
-    """The checkpoint's model with the quantized layers of ``path`` in place of its own."""
+    """The checkpoint's model (``dtype`` for the weights that stay float) with the quantized
+    layers of ``path`` in place of its own."""
     metadata = read_metadata(path)
-    if metadata.get("format") != FORMAT:
-        raise ValueError(f"{path} is not a quantized-weights file of this course (format "
-                         f"{metadata.get('format')!r}, expected {FORMAT!r})")
     if metadata["checkpoint"] != checkpoint_fingerprint(model_dir):
         raise ValueError(f"{path} was quantized from another checkpoint than {model_dir}. "
                          "Fix: quantize again (quantized_model does it) or pass the checkpoint it came from")
@@ -76,8 +87,13 @@ def load_quantized(model_dir: str | Path, path: str | Path, dtype: torch.dtype =
     with safe_open(str(path), framework="pt", device=str(device)) as file:
         for name, (scheme_name, bits, group_size) in json.loads(metadata["schemes"]).items():
             scheme = QuantScheme(scheme_name, bits, group_size)
-            parts = [file.get_tensor(f"{name}.{part}") for part in ("q", "scale", "zero")]
-            model.set_submodule(name, QuantizedLinear(*parts, scheme, kernels))
+            layer = QuantizedLinear(*(file.get_tensor(f"{name}.{part}") for part in ("q", "scale", "zero")),
+                                    scheme, kernels)
+            replaced = model.get_submodule(name)
+            if (layer.out_features, layer.in_features) != (replaced.out_features, replaced.in_features):
+                raise ValueError(f"{path}: {name} is {layer.out_features} × {layer.in_features} in the file, "
+                                 f"{replaced.out_features} × {replaced.in_features} in the model")
+            model.set_submodule(name, layer)
     return model
 
 
@@ -86,20 +102,29 @@ def quantized_model(model_dir: str | Path, scheme: QuantScheme | str, head: bool
                     dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
                     activations: torch.dtype = torch.float32, cache_dir: str | Path | None = None,
                     kernels: bool = True) -> LlamaModel:
-    """The model quantized with ``scheme``: read from ``cache_dir`` (by default the checkpoint's
-    ``quantized/`` folder) if it was quantized before from this checkpoint in this way, else
-    quantized now and written there for next time."""
-    scheme = scheme_named(scheme)
-    cache_dir = Path(model_dir) / "quantized" if cache_dir is None else Path(cache_dir)
-    request = json.dumps([scheme.name, scheme.bits, scheme.group_size, head,
-                          sorted((k, scheme_named(v).name) for k, v in (overrides or {}).items())])
-    key = hashlib.sha256(f"{checkpoint_fingerprint(model_dir)}{request}".encode()).hexdigest()[:16]
-    path = cache_dir / f"{Path(model_dir).name}-{scheme.name}{'-head' * head}-{key}.safetensors"
-    if path.exists():
-        return load_quantized(model_dir, path, dtype, device, activations, kernels)
-    print(f"quantizing {Path(model_dir).name} to {scheme.name}{' (head too)' * head}, once: "
-          f"it is kept in {path}", file=sys.stderr)
-    model = LlamaModel.from_pretrained(model_dir, dtype=dtype, device=device, activations=activations)
-    quantize_model(model, scheme, head=head, overrides=overrides, kernels=kernels)
-    save_quantized(model, path, model_dir)
-    return model
+    """The model quantized with ``scheme``, always from the fp32 weights: read from ``cache_dir``
+    (by default the checkpoint's ``quantized/`` folder) if it was made before from this
+    checkpoint, by this code, with these layer schemes; else made now and written there. Files
+    of the same scheme made before (older weights or code) are removed."""
+    model_dir, scheme = Path(model_dir), scheme_named(scheme)
+    cache_dir = model_dir / "quantized" if cache_dir is None else Path(cache_dir)
+    with torch.device("meta"):  # the layers' names, without reading any weight
+        names = block_linear_names(LlamaModel(ModelConfig.from_json(model_dir)))
+    plan = layer_schemes_for(names, scheme, overrides) | ({"lm_head": scheme} if head else {})
+    code = inspect.getsource(aie_lessons.quantize)  # `aie commit 08` may have changed the arithmetic
+    layers = hashlib.sha256(_schemes_json(plan).encode()).hexdigest()[:8]
+    made = hashlib.sha256(f"{FORMAT}|{checkpoint_fingerprint(model_dir)}|{code}".encode()).hexdigest()[:8]
+    stem = f"{model_dir.name}-{scheme.name}{'-head' * head}-{layers}"
+    path = cache_dir / f"{stem}-{made}.safetensors"
+    if path.exists() and read_metadata(path)["schemes"] != _schemes_json(plan):
+        raise ValueError(f"{path} holds other layer schemes than its name says. Fix: delete it, and it is "
+                         "made again")
+    if not path.exists():
+        print(f"quantizing {model_dir.name} to {scheme.name}{' (head too)' * head}, once: "
+              f"it is kept in {path}", file=sys.stderr)
+        model = quantize_model(LlamaModel.from_pretrained(model_dir), scheme, head=head, overrides=overrides)
+        save_quantized(model, path, model_dir)
+        for old in cache_dir.glob(f"{stem}-*.safetensors"):
+            if old != path:
+                old.unlink()
+    return load_quantized(model_dir, path, dtype, device, activations, kernels)

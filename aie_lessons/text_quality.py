@@ -66,13 +66,15 @@ def perplexity(model: LlamaModel, ids: list[int], window: int = 256, progress: b
 
 
 class ThroughCache(torch.nn.Module):
-    """``model(ids)``, with every window prefilled through a fresh cache from ``make_cache(shape)``:
-    attention then uses the keys and values the cache gives back, as decode steps would."""
+    """``model(ids)``, with every window prefilled through a fresh cache from
+    ``make_cache(batch, length, device)``: attention then uses the keys and values the cache
+    gives back (``update``, as stage 04's ``KVCache`` has it), as decode steps would."""
 
-    def __init__(self, model: LlamaModel, make_cache: Callable[[torch.Size], object]) -> None:
+    def __init__(self, model: LlamaModel, make_cache: Callable[[int, int, torch.device], object]) -> None:
         super().__init__()
         self.model, self.make_cache = model, make_cache
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         positions = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
-        return self.model(ids, positions, cache=self.make_cache(ids.shape), cache_start=0)
+        cache = self.make_cache(ids.shape[0], ids.shape[1], ids.device)
+        return self.model(ids, positions, cache=cache, cache_start=0)

@@ -100,7 +100,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from aie_lessons.model import LlamaModel
+from aie_lessons.model import Linear, LlamaModel
 
 INT8_MAX = 127
 INT4_MIN, INT4_MAX = -8, 7
@@ -367,21 +367,15 @@ def scheme_named(scheme: QuantScheme | str) -> QuantScheme:
 
 
 # Up to this many rows (tokens of a step), the CPU integer kernels beat rebuilding the weight;
-# section 6 of stage 08 measures the crossover (about 16 rows for int8 on the Xeon it was written on).
+# section 6 of stage 08 charts the crossover on the learner's machine.
 KERNEL_MAX_ROWS = 16
-# The plain path rebuilds this many output rows of a weight at a time (see _plain_forward).
-PLAIN_CHUNK_ROWS = 1024
-
-
 INT4_KERNEL_GROUP_SIZES = (32, 64, 128, 256)  # the only ones _weight_int4pack_mm_for_cpu takes
 
 
-def cpu_kernels_available(scheme: QuantScheme) -> bool:
-    """Whether this PyTorch has a CPU weight-only kernel for ``scheme`` (they came in 2.4–2.6)."""
-    if scheme.bits == 8:
-        return hasattr(torch.ops.aten, "_weight_int8pack_mm")
-    return (scheme.group_size in INT4_KERNEL_GROUP_SIZES
-            and hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"))
+def kernel_fits(scheme: QuantScheme, out_features: int) -> bool:
+    """Whether PyTorch's CPU kernel takes a layer of this scheme and width: int8 always; int4
+    in groups of 32, 64, 128 or 256, with a multiple of 16 outputs (its tiles)."""
+    return scheme.bits == 8 or (scheme.group_size in INT4_KERNEL_GROUP_SIZES and out_features % 16 == 0)
 
 
 class QuantizedLinear(nn.Module):
@@ -390,13 +384,24 @@ class QuantizedLinear(nn.Module):
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, scheme: QuantScheme,
                  kernels: bool = True) -> None:
         super().__init__()
+        rows, stored = q.shape
+        columns = stored * 2 if scheme.bits == 4 else stored  # int4: two per byte
+        groups = 1 if scheme.bits == 8 else columns // scheme.group_size
+        want = {"q": (torch.int8 if scheme.bits == 8 else torch.uint8, (rows, stored)),
+                "scale": (torch.float32, (rows,) if scheme.bits == 8 else (rows, groups)),
+                "zero": (torch.float32, (0,) if scheme.bits == 8 else (rows, groups))}
+        for name, tensor in (("q", q), ("scale", scale), ("zero", zero)):
+            dtype, shape = want[name]
+            if tensor.dtype != dtype or tuple(tensor.shape) != shape:
+                raise ValueError(f"{scheme.name}: {name} should be {dtype} of shape {shape}, got {tensor.dtype} "
+                                 f"of shape {tuple(tensor.shape)}. Fix: make the layer with "
+                                 "QuantizedLinear.quantize(weight, scheme)")
         self.scheme = scheme
-        self.out_features = q.shape[0]
-        self.in_features = q.shape[1] * (2 if scheme.bits == 4 else 1)  # int4: two per byte
+        self.out_features, self.in_features = rows, columns
         self.register_buffer("q", q)
         self.register_buffer("scale", scale)
         self.register_buffer("zero", zero)  # int8 is symmetric: an empty zero, the same buffers
-        self.kernels = kernels and cpu_kernels_available(scheme)
+        self.kernels = kernels and kernel_fits(scheme, rows)
         self._kernel_weights: tuple[torch.Tensor, torch.Tensor] | None = None  # made on first use
 
     @classmethod
@@ -406,6 +411,14 @@ class QuantizedLinear(nn.Module):
             q, scale = quantize_int8(weight)
             return cls(q, scale, scale.new_zeros(0), scheme, kernels)
         return cls(*quantize_int4(weight, scheme.group_size), scheme, kernels)
+
+    def _apply(self, fn, recurse: bool = True):
+        self._kernel_weights = None  # .to() and friends change the buffers: make the layout again
+        return super()._apply(fn, recurse)
+
+    def _load_from_state_dict(self, *args, **kwargs) -> None:
+        self._kernel_weights = None  # new integers and scales: make the layout again
+        super()._load_from_state_dict(*args, **kwargs)
 
     def dequantized(self, rows: slice = slice(None)) -> torch.Tensor:
         """The float32 weight (or some of its output ``rows``): what the integers stand for."""
@@ -417,19 +430,19 @@ class QuantizedLinear(nn.Module):
         flat = x.reshape(-1, self.in_features)
         if (self.kernels and x.dtype == torch.bfloat16 and x.device.type == "cpu"
                 and flat.shape[0] <= KERNEL_MAX_ROWS):
-            out = self._kernel_forward(flat)
+            out = self._kernel_forward(flat.contiguous())
         else:
             out = self._plain_forward(flat)
         return out.reshape(*x.shape[:-1], self.out_features)
 
     def _plain_forward(self, flat: torch.Tensor) -> torch.Tensor:
-        """Rebuild the weight ``PLAIN_CHUNK_ROWS`` output rows at a time and multiply each block
-        at once, while it is still in the CPU's cache: rebuilding the 49152-row head whole would
-        write (and read back) a 113 MB float copy per call. int8 scales the outputs instead of
-        the weight: the row's scale leaves the sum."""
+        """Rebuild the weight a block of output rows at a time (as many as stage 04's ``Linear``
+        converts at once) and multiply each block while it is still in the CPU's cache:
+        rebuilding the 49152-row head whole would write (and read back) a 113 MB float copy per
+        call. int8 scales the outputs instead of the weight: the row's scale leaves the sum."""
         out = torch.empty(flat.shape[0], self.out_features, dtype=flat.dtype, device=flat.device)
-        for start in range(0, self.out_features, PLAIN_CHUNK_ROWS):
-            rows = slice(start, start + PLAIN_CHUNK_ROWS)
+        for start in range(0, self.out_features, Linear.UPCAST_ROWS):
+            rows = slice(start, start + Linear.UPCAST_ROWS)
             if self.scheme.bits == 8:
                 out[:, rows] = F.linear(flat, self.q[rows].to(flat.dtype)) * self.scale[rows].to(flat.dtype)
             else:
@@ -467,30 +480,45 @@ def block_linear_names(model: LlamaModel) -> list[str]:
             if isinstance(module, (nn.Linear, QuantizedLinear))]
 
 
+def layer_schemes_for(names: list[str], scheme: QuantScheme,
+                      overrides: Mapping[str, QuantScheme | str] | None = None) -> dict[str, QuantScheme]:
+    """The scheme of each layer: ``scheme``, unless an override names the layer or a prefix of
+    it (``layers.3``); the longest matching override wins, whatever the order they came in."""
+    resolved = {prefix: scheme_named(s) for prefix, s in (overrides or {}).items()}
+    for prefix in resolved:
+        if not any(name == prefix or name.startswith(prefix + ".") for name in names):
+            raise ValueError(f"override {prefix!r} names no linear layer of the blocks "
+                             f"(they are named like {names[0]!r} or 'layers.0')")
+    chosen = {}
+    for name in names:
+        matching = [prefix for prefix in resolved if name == prefix or name.startswith(prefix + ".")]
+        chosen[name] = resolved[max(matching, key=len)] if matching else scheme
+    return chosen
+
+
 def quantize_model(model: LlamaModel, scheme: QuantScheme | str, head: bool = False,
                    overrides: Mapping[str, QuantScheme | str] | None = None,
                    kernels: bool = True) -> LlamaModel:
     """Replace the blocks' linear layers (and with ``head`` the output head) by quantized ones,
     in place. ``overrides`` maps layer names, or a prefix such as ``layers.3``, to another
-    scheme. A tied head gets its own quantized copy; the embedding lookup keeps the table."""
+    scheme. A tied head gets its own quantized copy; the embedding lookup keeps the table.
+    Everything is checked before the first layer changes: an error leaves the model as it was."""
     scheme = scheme_named(scheme)
-    overrides = {prefix: scheme_named(s) for prefix, s in (overrides or {}).items()}
-    names = block_linear_names(model)
-    for prefix in overrides:
-        if not any(name == prefix or name.startswith(prefix + ".") for name in names):
-            raise ValueError(f"override {prefix!r} names no linear layer of the blocks "
-                             f"(they are named like {names[0]!r} or 'layers.0')")
-    for name in names:
+    plan = layer_schemes_for(block_linear_names(model), scheme, overrides)
+    if head:
+        plan["lm_head"] = scheme
+    for name, layer_scheme in plan.items():
         layer = model.get_submodule(name)
         if not isinstance(layer, nn.Linear):
             raise ValueError(f"{name} is quantized already: quantize a model loaded afresh")
         if layer.bias is not None:
             raise ValueError(f"{name} has a bias: these quantized layers take none")
-        chosen = [s for prefix, s in overrides.items() if name == prefix or name.startswith(prefix + ".")]
-        layer_scheme = chosen[-1] if chosen else scheme
-        model.set_submodule(name, QuantizedLinear.quantize(layer.weight.detach(), layer_scheme, kernels))
-    if head:
-        model.lm_head = QuantizedLinear.quantize(model.lm_head.weight.detach(), scheme, kernels)
+        if layer_scheme.bits == 4 and layer.in_features % layer_scheme.group_size:
+            raise ValueError(f"{name}: {layer.in_features} inputs do not split into groups of "
+                             f"{layer_scheme.group_size}. Fix: a group size that divides {layer.in_features}")
+    for name, layer_scheme in plan.items():
+        model.set_submodule(name, QuantizedLinear.quantize(model.get_submodule(name).weight.detach(),
+                                                           layer_scheme, kernels))
     return model
 
 
@@ -1040,7 +1068,9 @@ print("the mixed scheme is better than int4-g64 and no better than int8:",
 # from the checkpoint (whose other weights — embedding, norms — it keeps). `quantized_model`
 # does both: it loads the file from the checkpoint's folder (`data/models/<name>/quantized/`)
 # when it matches the checkpoint and the request, and otherwise quantizes and writes it. Nothing is parsed from file names: the
-# scheme is an argument, and the file's metadata must agree with it.
+# scheme is an argument, and the file's metadata must agree with it. The file is always made
+# from the fp32 weights, and its name changes with the checkpoint and with the code of
+# `aie_lessons/quantize.py` (your `aie commit 08` replaces it), so a stale file is never read.
 
 # %%
 # export: quantized_checkpoint
@@ -1049,6 +1079,7 @@ print("the mixed scheme is better than int4-g64 and no better than int8:",
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
 import sys
 from collections.abc import Mapping
@@ -1058,8 +1089,11 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+import aie_lessons.quantize
+from aie_lessons.config import ModelConfig
 from aie_lessons.model import LlamaModel
-from aie_lessons.quantize import QuantizedLinear, QuantScheme, quantize_model, scheme_named
+from aie_lessons.quantize import (QuantizedLinear, QuantScheme, block_linear_names, layer_schemes_for,
+                                  quantize_model, scheme_named)
 
 FORMAT = "aie-quantized-1"
 
@@ -1080,6 +1114,10 @@ def layer_schemes(model: LlamaModel) -> dict[str, QuantScheme]:
     return {name: module.scheme for name, module in model.named_modules() if isinstance(module, QuantizedLinear)}
 
 
+def _schemes_json(schemes: Mapping[str, QuantScheme]) -> str:
+    return json.dumps({name: [s.name, s.bits, s.group_size] for name, s in schemes.items()}, sort_keys=True)
+
+
 def save_quantized(model: LlamaModel, path: str | Path, model_dir: str | Path) -> Path:
     """Write the quantized layers of ``model`` (quantized from ``model_dir``) to ``path``."""
     schemes = layer_schemes(model)
@@ -1090,8 +1128,7 @@ def save_quantized(model: LlamaModel, path: str | Path, model_dir: str | Path) -
         layer = model.get_submodule(name)
         for part in ("q", "scale", "zero"):
             tensors[f"{name}.{part}"] = getattr(layer, part).contiguous().cpu()
-    metadata = {"format": FORMAT, "checkpoint": checkpoint_fingerprint(model_dir),
-                "schemes": json.dumps({name: [s.name, s.bits, s.group_size] for name, s in schemes.items()})}
+    metadata = {"format": FORMAT, "checkpoint": checkpoint_fingerprint(model_dir), "schemes": _schemes_json(schemes)}
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_suffix(".partial")  # a file cut short by an interrupt is never read as whole
@@ -1101,18 +1138,22 @@ def save_quantized(model: LlamaModel, path: str | Path, model_dir: str | Path) -
 
 
 def read_metadata(path: str | Path) -> dict[str, str]:
+    """The file's metadata, checked to be this course's format: what ``load_quantized`` trusts."""
     with safe_open(str(path), framework="pt") as file:
-        return file.metadata() or {}
+        metadata = file.metadata() or {}
+    if metadata.get("format") != FORMAT or not {"checkpoint", "schemes"} <= set(metadata):
+        raise ValueError(f"{path} is not a quantized-weights file of this course (format "
+                         f"{metadata.get('format')!r}, expected {FORMAT!r}). Fix: make it with "
+                         "save_quantized, or let quantized_model make it")
+    return metadata
 
 
 def load_quantized(model_dir: str | Path, path: str | Path, dtype: torch.dtype = torch.float32,
                    device: str | torch.device = "cpu", activations: torch.dtype = torch.float32,
                    kernels: bool = True) -> LlamaModel:
-    """The checkpoint's model with the quantized layers of ``path`` in place of its own."""
+    """The checkpoint's model (``dtype`` for the weights that stay float) with the quantized
+    layers of ``path`` in place of its own."""
     metadata = read_metadata(path)
-    if metadata.get("format") != FORMAT:
-        raise ValueError(f"{path} is not a quantized-weights file of this course (format "
-                         f"{metadata.get('format')!r}, expected {FORMAT!r})")
     if metadata["checkpoint"] != checkpoint_fingerprint(model_dir):
         raise ValueError(f"{path} was quantized from another checkpoint than {model_dir}. "
                          "Fix: quantize again (quantized_model does it) or pass the checkpoint it came from")
@@ -1120,8 +1161,13 @@ def load_quantized(model_dir: str | Path, path: str | Path, dtype: torch.dtype =
     with safe_open(str(path), framework="pt", device=str(device)) as file:
         for name, (scheme_name, bits, group_size) in json.loads(metadata["schemes"]).items():
             scheme = QuantScheme(scheme_name, bits, group_size)
-            parts = [file.get_tensor(f"{name}.{part}") for part in ("q", "scale", "zero")]
-            model.set_submodule(name, QuantizedLinear(*parts, scheme, kernels))
+            layer = QuantizedLinear(*(file.get_tensor(f"{name}.{part}") for part in ("q", "scale", "zero")),
+                                    scheme, kernels)
+            replaced = model.get_submodule(name)
+            if (layer.out_features, layer.in_features) != (replaced.out_features, replaced.in_features):
+                raise ValueError(f"{path}: {name} is {layer.out_features} × {layer.in_features} in the file, "
+                                 f"{replaced.out_features} × {replaced.in_features} in the model")
+            model.set_submodule(name, layer)
     return model
 
 
@@ -1130,23 +1176,32 @@ def quantized_model(model_dir: str | Path, scheme: QuantScheme | str, head: bool
                     dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
                     activations: torch.dtype = torch.float32, cache_dir: str | Path | None = None,
                     kernels: bool = True) -> LlamaModel:
-    """The model quantized with ``scheme``: read from ``cache_dir`` (by default the checkpoint's
-    ``quantized/`` folder) if it was quantized before from this checkpoint in this way, else
-    quantized now and written there for next time."""
-    scheme = scheme_named(scheme)
-    cache_dir = Path(model_dir) / "quantized" if cache_dir is None else Path(cache_dir)
-    request = json.dumps([scheme.name, scheme.bits, scheme.group_size, head,
-                          sorted((k, scheme_named(v).name) for k, v in (overrides or {}).items())])
-    key = hashlib.sha256(f"{checkpoint_fingerprint(model_dir)}{request}".encode()).hexdigest()[:16]
-    path = cache_dir / f"{Path(model_dir).name}-{scheme.name}{'-head' * head}-{key}.safetensors"
-    if path.exists():
-        return load_quantized(model_dir, path, dtype, device, activations, kernels)
-    print(f"quantizing {Path(model_dir).name} to {scheme.name}{' (head too)' * head}, once: "
-          f"it is kept in {path}", file=sys.stderr)
-    model = LlamaModel.from_pretrained(model_dir, dtype=dtype, device=device, activations=activations)
-    quantize_model(model, scheme, head=head, overrides=overrides, kernels=kernels)
-    save_quantized(model, path, model_dir)
-    return model
+    """The model quantized with ``scheme``, always from the fp32 weights: read from ``cache_dir``
+    (by default the checkpoint's ``quantized/`` folder) if it was made before from this
+    checkpoint, by this code, with these layer schemes; else made now and written there. Files
+    of the same scheme made before (older weights or code) are removed."""
+    model_dir, scheme = Path(model_dir), scheme_named(scheme)
+    cache_dir = model_dir / "quantized" if cache_dir is None else Path(cache_dir)
+    with torch.device("meta"):  # the layers' names, without reading any weight
+        names = block_linear_names(LlamaModel(ModelConfig.from_json(model_dir)))
+    plan = layer_schemes_for(names, scheme, overrides) | ({"lm_head": scheme} if head else {})
+    code = inspect.getsource(aie_lessons.quantize)  # `aie commit 08` may have changed the arithmetic
+    layers = hashlib.sha256(_schemes_json(plan).encode()).hexdigest()[:8]
+    made = hashlib.sha256(f"{FORMAT}|{checkpoint_fingerprint(model_dir)}|{code}".encode()).hexdigest()[:8]
+    stem = f"{model_dir.name}-{scheme.name}{'-head' * head}-{layers}"
+    path = cache_dir / f"{stem}-{made}.safetensors"
+    if path.exists() and read_metadata(path)["schemes"] != _schemes_json(plan):
+        raise ValueError(f"{path} holds other layer schemes than its name says. Fix: delete it, and it is "
+                         "made again")
+    if not path.exists():
+        print(f"quantizing {model_dir.name} to {scheme.name}{' (head too)' * head}, once: "
+              f"it is kept in {path}", file=sys.stderr)
+        model = quantize_model(LlamaModel.from_pretrained(model_dir), scheme, head=head, overrides=overrides)
+        save_quantized(model, path, model_dir)
+        for old in cache_dir.glob(f"{stem}-*.safetensors"):
+            if old != path:
+                old.unlink()
+    return load_quantized(model_dir, path, dtype, device, activations, kernels)
 
 
 # %% [markdown]
@@ -1235,7 +1290,7 @@ from __future__ import annotations
 import torch
 
 from aie_lessons.config import ModelConfig
-from aie_lessons.kv_cache import CacheFullError
+from aie_lessons.kv_cache import CacheFullError, KVCache
 from aie_lessons.quantize import quantize_int8
 
 
@@ -1245,29 +1300,28 @@ def int8_kv_bytes_per_token(config: ModelConfig) -> int:
     return 2 * config.num_layers * config.num_kv_heads * (config.head_dim + 4)
 
 
-class Int8KVCache:
-    """Stage 04's ``KVCache``, with int8 keys and values and a float32 scale per (layer, row,
+class Int8KVCache(KVCache):
+    """Stage 04's ``KVCache`` with int8 keys and values and a float32 scale per (layer, row,
     head, position); ``update`` returns floats in the dtype of what it is given."""
 
     def __init__(self, config: ModelConfig, batch_size: int, max_len: int, device: torch.device | str = "cpu"):
-        shape = (config.num_layers, batch_size, config.num_kv_heads, max_len, config.head_dim)
-        self.keys = torch.zeros(shape, dtype=torch.int8, device=device)
-        self.values = torch.zeros(shape, dtype=torch.int8, device=device)
-        self.key_scales = torch.ones(shape[:-1], device=device)
-        self.value_scales = torch.ones(shape[:-1], device=device)
-        self.max_len = max_len
+        super().__init__(config, batch_size, max_len, torch.int8, device)
+        self.key_scales = torch.ones(self.keys.shape[:-1], device=device)
+        self.value_scales = torch.ones(self.values.shape[:-1], device=device)
 
     @property
     def nbytes(self) -> int:
-        return sum(t.nbytes for t in (self.keys, self.values, self.key_scales, self.value_scales))
+        return super().nbytes + self.key_scales.nbytes + self.value_scales.nbytes
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Store k, v (B, Hkv, S, D) at columns start … start+S-1; return columns 0 … start+S-1."""
         end = start + k.shape[2]
-        if start < 0 or end > self.max_len:
-            raise CacheFullError(f"the int8 KV cache holds positions 0 … {self.max_len - 1}; writing "
-                                 f"{k.shape[2]} at column {start} needs {end}. Fix: allocate max_len ≥ "
-                                 f"prompt + max_new_tokens (here {end})")
+        if start < 0:
+            raise ValueError(f"start={start}: cache columns start at 0")
+        if end > self.max_len:
+            raise CacheFullError(f"the int8 KV cache holds {self.max_len} positions; writing {k.shape[2]} at "
+                                 f"column {start} needs {end}. Fix: allocate max_len ≥ prompt + "
+                                 f"max_new_tokens (here {end})")
         for new, store, scales in ((k, self.keys, self.key_scales), (v, self.values, self.value_scales)):
             q, scale = quantize_int8(new.reshape(-1, new.shape[-1]))  # one row per head and position
             store[layer, :, :, start:end] = q.reshape(new.shape)
@@ -1284,16 +1338,18 @@ class Int8KVCache:
 # %%
 # export: text_quality
 class ThroughCache(torch.nn.Module):
-    """``model(ids)``, with every window prefilled through a fresh cache from ``make_cache(shape)``:
-    attention then uses the keys and values the cache gives back, as decode steps would."""
+    """``model(ids)``, with every window prefilled through a fresh cache from
+    ``make_cache(batch, length, device)``: attention then uses the keys and values the cache
+    gives back (``update``, as stage 04's ``KVCache`` has it), as decode steps would."""
 
-    def __init__(self, model: LlamaModel, make_cache: Callable[[torch.Size], object]) -> None:
+    def __init__(self, model: LlamaModel, make_cache: Callable[[int, int, torch.device], object]) -> None:
         super().__init__()
         self.model, self.make_cache = model, make_cache
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         positions = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
-        return self.model(ids, positions, cache=self.make_cache(ids.shape), cache_start=0)
+        cache = self.make_cache(ids.shape[0], ids.shape[1], ids.device)
+        return self.model(ids, positions, cache=cache, cache_start=0)
 
 
 # %%
@@ -1302,8 +1358,11 @@ from aie_lessons.int8_kv_cache import Int8KVCache, int8_kv_bytes_per_token
 from aie_lessons.kv_cache import KVCache, kv_cache_bytes
 from aie_lessons.text_quality import ThroughCache
 
-kv_variants = {"bf16 cache": ThroughCache(model, lambda shape: KVCache(model.config, shape[0], shape[1], torch.bfloat16)),
-               "int8 cache": ThroughCache(model, lambda shape: Int8KVCache(model.config, shape[0], shape[1]))}
+kv_variants = {
+    "bf16 cache": ThroughCache(model, lambda batch, length, device: KVCache(model.config, batch, length,
+                                                                             torch.bfloat16, device)),
+    "int8 cache": ThroughCache(model, lambda batch, length, device: Int8KVCache(model.config, batch, length, device)),
+}
 kv_quality = text_quality(model, kv_variants, corpus_ids[:2049])
 per_token = {"fp32 cache": kv_cache_bytes(model.config, 1, 1, torch.float32),
              "bf16 cache": kv_cache_bytes(model.config, 1, 1, torch.bfloat16),

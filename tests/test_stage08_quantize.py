@@ -9,7 +9,7 @@ from aie_lessons.checks import stage08 as checks
 from aie_lessons.infra.paths import DATA_DIR
 from aie_lessons.model import LlamaModel
 from aie_lessons.quantize import (KERNEL_MAX_ROWS, SCHEMES, QuantizedLinear, QuantScheme, block_linear_names,
-                                  bytes_read_per_token, cpu_kernels_available, dequantize_int4, dequantize_int8,
+                                  bytes_read_per_token, dequantize_int4, dequantize_int8,
                                   pack_int4, quantize_int4, quantize_int8, quantize_model, unpack_int4)
 from aie_lessons.quantized_checkpoint import layer_schemes
 from aie_lessons.sensitivity import groups_by_kind, groups_by_layer, sensitivity
@@ -196,9 +196,7 @@ def test_group_int4_mistakes_are_named(wrong, message):
 def _sensitivity(model, groups, scheme, score, *, restore=True, finally_=True, subtract=True,
                  scheme_used=None, same_modules=True, baseline_first=True, all_layers=False):
     """The sensitivity loop with one of its usual mistakes switched on."""
-    from aie_lessons.quantize import block_linear_names
-
-    baseline = score(model) if baseline_first else None
+    baseline = score(model) if baseline_first else 0.0
     changes = {}
     for label, names in groups.items():
         names = block_linear_names(model) if all_layers else names
@@ -209,16 +207,23 @@ def _sensitivity(model, groups, scheme, score, *, restore=True, finally_=True, s
                 back = layer if same_modules else torch.nn.Linear(layer.in_features, layer.out_features, bias=False)
                 model.set_submodule(name, back)
 
-        try:
+        def measure():
             for name, layer in originals.items():
                 model.set_submodule(name, QuantizedLinear.quantize(layer.weight.detach(), scheme_used or scheme))
-            value = score(model)
-            changes[label] = value - (baseline if subtract and baseline_first else 0)
-        except Exception:
-            if finally_ and restore:
+            return score(model) - (baseline if subtract else 0.0)
+
+        if finally_:
+            try:
+                changes[label] = measure()
+            finally:
+                if restore:
+                    put_back()
+        else:
+            try:
+                changes[label] = measure()
+            except Exception:  # restores on errors, but not on an interrupt
                 put_back()
-            raise
-        if restore:
+                raise
             put_back()
     if not baseline_first:
         baseline = score(model)
@@ -226,21 +231,49 @@ def _sensitivity(model, groups, scheme, score, *, restore=True, finally_=True, s
     return changes
 
 
+def not_restored(*args):
+    return _sensitivity(*args, restore=False)
+
+
+def every_layer_each_time(*args):
+    return _sensitivity(*args, all_layers=True)
+
+
+def raw_scores(*args):
+    return _sensitivity(*args, subtract=False)
+
+
+def restores_only_on_exceptions(*args):
+    return _sensitivity(*args, finally_=False)
+
+
+def fixed_scheme(*args):
+    return _sensitivity(*args, scheme_used=SCHEMES["int4-g32"])
+
+
+def new_modules_put_back(*args):
+    return _sensitivity(*args, same_modules=False)
+
+
+def baseline_last(*args):
+    return _sensitivity(*args, baseline_first=False)
+
+
 def swallows_the_error(model, groups, scheme, score):
     try:
         return _sensitivity(model, groups, scheme, score)
-    except RuntimeError:
+    except BaseException:
         return {}
 
 
 @mutants("8.5", [
-    (lambda *a: _sensitivity(*a, restore=False), "so it was quantized too: put each group's original modules"),
-    (lambda *a: _sensitivity(*a, all_layers=True), "was quantized too"),
-    (lambda *a: _sensitivity(*a, subtract=False), "subtract the baseline"),
-    (lambda *a: _sensitivity(*a, finally_=False), "finally block"),
-    (lambda *a: _sensitivity(*a, scheme_used=SCHEMES["int4-g32"]), "not the scheme passed in"),
-    (lambda *a: _sensitivity(*a, same_modules=False), "put back the very modules"),
-    (lambda *a: _sensitivity(*a, baseline_first=False), "the first score must be the baseline"),
+    (not_restored, "quantizing it again failed: put each group's original modules back"),
+    (every_layer_each_time, "while group .* was scored, .* was quantized too"),
+    (raw_scores, "subtract the baseline"),
+    (restores_only_on_exceptions, "put the modules back in a finally block"),
+    (fixed_scheme, "(?<=^Exercise 8\\.5: )layers[^ ]* was quantized with int4-g32, not the scheme passed in"),
+    (new_modules_put_back, "is a new Linear object, not the module that was there"),
+    (baseline_last, "the first score must be the baseline"),
     (swallows_the_error, "sensitivity returned normally"),
 ])
 def test_sensitivity_mistakes_are_named(wrong, message):
@@ -314,7 +347,8 @@ def corpus_quality(real_model_dir):
     reference = LlamaModel.from_pretrained(real_model_dir)
     variants = {scheme: quantize_model(LlamaModel.from_pretrained(real_model_dir), scheme)
                 for scheme in ("int8", "int4-g32", "int4-g64")}
-    variants["int8 cache"] = ThroughCache(reference, lambda shape: Int8KVCache(reference.config, shape[0], shape[1]))
+    variants["int8 cache"] = ThroughCache(reference, lambda batch, length, device: Int8KVCache(reference.config,
+                                                                                              batch, length, device))
     return text_quality(reference, variants, ids[:8193], progress=False)
 
 
@@ -364,7 +398,6 @@ def test_int4_in_groups_of_32_rebuilds_every_projection(real_model):
 # --- the fast paths -------------------------------------------------------------------------------
 
 
-@pytest.mark.skipif(not cpu_kernels_available(SCHEMES["int8"]), reason="this PyTorch has no CPU int8 kernel")
 @pytest.mark.parametrize("scheme", ["int8", "int4-g32", "int4-g64"])
 @pytest.mark.parametrize("shape", [(576, 576), (192, 576), (1536, 576), (576, 1536)])
 def test_the_cpu_kernels_agree_with_the_plain_path(scheme, shape):
@@ -389,21 +422,51 @@ def test_the_cpu_kernels_agree_with_the_plain_path(scheme, shape):
     assert used == [1, KERNEL_MAX_ROWS]
 
 
-def test_groups_the_kernel_does_not_take_use_the_plain_path():
-    assert not QuantizedLinear.quantize(torch.randn(8, 192), SCHEMES["int4-g192"]).kernels
+def test_layers_the_kernel_does_not_take_use_the_plain_path():
+    """int4 in groups of 192, or with outputs not a multiple of 16: no kernel, and bf16 inputs
+    still work; a non-contiguous input reaches the kernel as a contiguous one."""
+    for shape, scheme in (((16, 192), "int4-g192"), ((8, 64), "int4-g32")):
+        layer = QuantizedLinear.quantize(torch.randn(*shape), SCHEMES[scheme])
+        assert not layer.kernels
+        x = torch.randn(2, shape[1]).bfloat16()
+        assert torch.allclose(layer(x).float(), x.float() @ layer.dequantized().T, atol=0.05, rtol=0.02)
     assert not QuantizedLinear.quantize(torch.randn(8, 64), SCHEMES["int8"], kernels=False).kernels
+    layer = QuantizedLinear.quantize(torch.randn(32, 64), SCHEMES["int4-g32"])
+    x = torch.randn(64, 3).bfloat16().T  # not contiguous
+    assert torch.allclose(layer(x).float(), x.float() @ layer.dequantized().T, atol=0.05, rtol=0.02)
+
+
+def test_the_kernel_layout_follows_new_buffers():
+    """load_state_dict (or .to) replaces the integers and scales: the kernel must use the new ones."""
+    g = torch.Generator().manual_seed(6)
+    for scheme in ("int8", "int4-g32"):
+        layer = QuantizedLinear.quantize(torch.randn(32, 64, generator=g), SCHEMES[scheme])
+        other = QuantizedLinear.quantize(torch.randn(32, 64, generator=g), SCHEMES[scheme])
+        x = torch.randn(1, 64, generator=g).bfloat16()
+        layer(x)  # the layout of the first weights is made here
+        layer.load_state_dict(other.state_dict())
+        assert torch.equal(layer(x), other(x)), scheme
+        layer.to(torch.float32)  # _apply: the layout is made again
+        assert torch.equal(layer(x), other(x)), scheme
+
+
+def test_a_layer_from_wrong_tensors_is_refused():
+    with pytest.raises(ValueError, match=r"int8: scale should be torch.float32 of shape \(4,\), got"):
+        QuantizedLinear(torch.zeros(4, 8, dtype=torch.int8), torch.ones(3), torch.zeros(0), SCHEMES["int8"])
+    with pytest.raises(ValueError, match="q should be torch.uint8 .* Fix: make the layer with QuantizedLinear.quantize"):
+        QuantizedLinear(torch.zeros(4, 32, dtype=torch.int8), torch.ones(4, 2), torch.ones(4, 2), SCHEMES["int4-g32"])
 
 
 @pytest.mark.parametrize("scheme", ["int8", "int4-g32"])
 def test_the_plain_path_works_a_block_of_rows_at_a_time(scheme, monkeypatch):
     """More output rows than one block: every block is multiplied, and the result is the same."""
-    import aie_lessons.quantize as quantize
+    from aie_lessons.model import Linear
 
     w = torch.randn(300, 64, generator=torch.Generator().manual_seed(4))
     layer = QuantizedLinear.quantize(w, SCHEMES[scheme], kernels=False)
     x = torch.randn(2, 3, 64)
     whole = layer(x)
-    monkeypatch.setattr(quantize, "PLAIN_CHUNK_ROWS", 128)
+    monkeypatch.setattr(Linear, "UPCAST_ROWS", 128)
     assert torch.allclose(layer(x), whole, atol=1e-5)
     assert torch.allclose(whole, x @ layer.dequantized().T, atol=1e-5)
 
@@ -423,6 +486,19 @@ def test_overrides_give_named_layers_another_scheme(tiny_dir):
         quantize_model(LlamaModel.from_pretrained(tiny_dir), "int8", overrides={"layers.9": "int8"})
     with pytest.raises(ValueError, match="quantized already: quantize a model loaded afresh"):
         quantize_model(model, "int8")
+    # the longest matching override wins, in whatever order they are given
+    for order in ({"layers.1": "int4-g64", "layers.1.mlp.down_proj": "int8"},
+                  {"layers.1.mlp.down_proj": "int8", "layers.1": "int4-g64"}):
+        schemes = layer_schemes(quantize_model(LlamaModel.from_pretrained(tiny_dir), "int4-g32", overrides=order))
+        assert schemes["layers.1.mlp.down_proj"].name == "int8" and schemes["layers.1.mlp.up_proj"].name == "int4-g64"
+
+
+def test_a_refused_quantization_leaves_the_model_as_it_was(tiny_dir):
+    model = LlamaModel.from_pretrained(tiny_dir)
+    odd = QuantScheme("int4-g48", 4, 48)  # the tiny model's widths are 64 and 128
+    with pytest.raises(ValueError, match=r"layers.1.self_attn.q_proj: 64 inputs do not split into groups of 48"):
+        quantize_model(model, "int8", overrides={"layers.1": odd})
+    assert not layer_schemes(model), "a layer was quantized before the error"
 
 
 def test_sensitivity_groups_cover_every_layer_once(tiny_dir):
@@ -485,7 +561,7 @@ def test_the_engine_on_a_quantized_model_gives_stage04s_tokens(tiny_untied_dir):
 
 
 def test_the_int8_cache_stores_each_head_vector_within_half_a_step(tiny_dir):
-    from aie_lessons.int8_kv_cache import Int8KVCache, int8_kv_bytes_per_token
+    from aie_lessons.int8_kv_cache import int8_kv_bytes_per_token
     from aie_lessons.kv_cache import CacheFullError
 
     config = LlamaModel.from_pretrained(tiny_dir).config
@@ -502,5 +578,18 @@ def test_the_int8_cache_stores_each_head_vector_within_half_a_step(tiny_dir):
         assert ((got - want).abs() <= step / 2 + 1e-6).all()
     assert torch.equal(keys[:, :, :4], cache.update(1, k2, v2, start=4)[0][:, :, :4])  # old tokens unchanged
     assert cache.update(0, k.bfloat16(), v.bfloat16(), start=0)[0].dtype == torch.bfloat16
-    with pytest.raises(CacheFullError, match="holds positions 0 … 9; writing 4 at column 8 needs 12"):
+    with pytest.raises(CacheFullError, match="holds 10 positions; writing 4 at column 8 needs 12"):
         cache.update(0, k, v, start=8)
+    with pytest.raises(ValueError, match="start=-1: cache columns start at 0"):
+        cache.update(0, k, v, start=-1)
+
+
+def test_through_cache_with_a_float_cache_is_the_model_itself(tiny_dir):
+    """The control for the int8 cache's score: an fp32 cache changes nothing."""
+    from aie_lessons.kv_cache import KVCache
+
+    model = LlamaModel.from_pretrained(tiny_dir)
+    through = ThroughCache(model, lambda batch, length, device: KVCache(model.config, batch, length, device=device))
+    ids = torch.tensor([[3, 5, 7, 11, 13, 17]])
+    with torch.inference_mode():
+        assert torch.allclose(through(ids), model(ids), atol=1e-5)

@@ -86,7 +86,7 @@ def isolated(fn, **reference_helpers):
         namespace.update(saved)
 
 
-def random_model(layers: int, weight_dtype: torch.dtype, tie: bool, seed: int, cls=None):
+def random_model(layers: int, weight_dtype: torch.dtype, tie: bool, seed: int, cls: type | None = None):
     """A small random Llama with ``layers`` layers, 4 query heads sharing 2 kv heads (checks of
     several stages run learners' code on it, where the real model would take too long)."""
     from aie_lessons.config import ModelConfig

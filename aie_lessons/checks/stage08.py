@@ -241,8 +241,10 @@ def check_quantize_int4(quantize_int4, dequantize_int4) -> None:
 
 
 # --- 8.5 the sensitivity loop ---------------------------------------------------------------------
-class _ScoreFailed(RuntimeError):
-    """The check's score raises this on purpose, to see that the model is restored anyway."""
+class _ScoreFailed(BaseException):
+    """The check's score raises this on purpose, to see that the model is restored anyway. A
+    BaseException, like the KeyboardInterrupt of a learner stopping a long run: ``except
+    Exception`` does not catch it, ``finally`` does."""
 
 
 def check_sensitivity(sensitivity) -> None:
@@ -272,10 +274,12 @@ def check_sensitivity(sensitivity) -> None:
     try:
         changes = call("8.5", sensitivity, model, groups, scheme, score)
     except CheckFailed as exc:
+        if isinstance(exc.__cause__, CheckFailed):  # the score found the mistake: say it plainly
+            raise exc.__cause__ from None
         if isinstance(exc.__cause__, AttributeError) and "QuantizedLinear" in str(exc.__cause__):
             fail("8.5", f"{exc.__cause__}: a layer was still quantized when a later group (they overlap "
-                        "here) came to it, so it was quantized too: put each group's original modules back "
-                        "before the next group")
+                        "here) came to it, and quantizing it again failed: put each group's original "
+                        "modules back before the next group")
         raise
     if not seen or seen[0]:
         fail("8.5", "the first score must be the baseline: score(model) before anything is quantized")
@@ -299,8 +303,8 @@ def check_sensitivity(sensitivity) -> None:
                         f"{changes[label]!r}{extra}")
     for name, layer in originals.items():
         if model.get_submodule(name) is not layer:
-            fail("8.5", f"after the loop, {name} is a {type(model.get_submodule(name)).__name__}, not the "
-                        "module that was there: put back the very modules you took out")
+            fail("8.5", f"after the loop, {name} is a new {type(model.get_submodule(name)).__name__} object, "
+                        "not the module that was there: put back the very modules you took out")
 
     calls = []
 
