@@ -660,10 +660,10 @@ print("int4: larger groups cost more:",
 
 # %%
 fig, ax = plt.subplots(figsize=(6, 3.6))
-for name, q in quality.items():
+for (name, q), marker in zip(quality.items(), "osD^vP*X"):
     label = "fp32" if name == "reference" else name
-    ax.scatter(sizes[name] / 2**20, q.perplexity, s=30)
-    ax.annotate(label, (sizes[name] / 2**20, q.perplexity), textcoords="offset points", xytext=(5, 4), fontsize=8)
+    ax.scatter(sizes[name] / 2**20, q.perplexity, s=40, marker=marker, label=label)
+ax.legend(fontsize=8, ncol=2)
 ax.set_xlabel("weights read per decode step (MiB)")
 ax.set_ylabel("perplexity on the corpus (lower is better)")
 ax.set_title("What each scheme keeps of the model, and what it costs")
@@ -741,9 +741,11 @@ for path in paths:
 # compiler can only fuse what it has a fast loop for, and here the multiplication itself stays
 # a library call that wants float weights.
 #
-# But the kernels are matrix–*vector* kernels: their time grows with every row, while a
-# matmul's barely moves. Where do the lines cross? `QuantizedLinear` uses the kernels up to
-# `KERNEL_MAX_ROWS` rows; the chart shows whether that suits your machine.
+# But the kernels are matrix–*vector* kernels: their time grows with every row, while a bf16
+# matmul's barely moves at first. Where do the lines cross? `QuantizedLinear` uses the kernels
+# up to `KERNEL_MAX_ROWS` rows — the decode batches of stage 06's default engine (16 requests);
+# longer steps, such as a prefill, take the plain path. The chart shows whether that suits your
+# machine.
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -758,10 +760,10 @@ fig, ax = plt.subplots(figsize=(6.5, 3.6))
 for label, times in crossover.items():
     ax.plot(row_counts, times, marker="o", label=label, linestyle="--" if "kernel" in label else "-")
 ax.axvline(KERNEL_MAX_ROWS, color="grey", linewidth=1)
-ax.annotate("KERNEL_MAX_ROWS", (KERNEL_MAX_ROWS, ax.get_ylim()[0]), textcoords="offset points",
-            xytext=(4, 4), fontsize=8, color="grey")
 ax.set_xscale("log", base=2)
 ax.set_yscale("log")
+ax.annotate("KERNEL_MAX_ROWS", (KERNEL_MAX_ROWS, 0.03), xycoords=("data", "axes fraction"), xytext=(4, 0),
+            textcoords="offset points", fontsize=8, color="grey")
 ax.set_xlabel("rows (tokens in the step)")
 ax.set_ylabel("µs per call, 1536 × 576")
 ax.set_title("The integer kernels pay for a few rows at a time")
@@ -793,9 +795,11 @@ bf16 = torch.bfloat16
 speed_variants = {
     "fp32": model,
     "bf16": LlamaModel.from_pretrained(MODEL_DIR, dtype=bf16, activations=bf16),
-    "int8, plain path (fp32)": quantize_model(LlamaModel.from_pretrained(MODEL_DIR), "int8", kernels=False),
+    "int8, plain path": quantize_model(LlamaModel.from_pretrained(MODEL_DIR, activations=bf16), "int8",
+                                       kernels=False),
     "int8": quantize_model(LlamaModel.from_pretrained(MODEL_DIR, activations=bf16), "int8"),
     "int8 + head": quantize_model(LlamaModel.from_pretrained(MODEL_DIR, activations=bf16), "int8", head=True),
+    "int4-g32": quantize_model(LlamaModel.from_pretrained(MODEL_DIR, activations=bf16), "int4-g32"),
     "int4-g32 + head": quantize_model(LlamaModel.from_pretrained(MODEL_DIR, activations=bf16), "int4-g32",
                                       head=True),
 }
@@ -830,8 +834,25 @@ for name, v in speed_variants.items():
           f"{size / one / bandwidth:8.0%} | {16 / sixteen:15.1f} {size / sixteen / 1e9:5.1f}")
 
 # %% [markdown]
-# A bar chart of the same tokens/s, with the roofline of each variant drawn: the tokens/s a
-# step could reach if it did nothing but read its weights at the probe's speed.
+# Quality and speed side by side, for the schemes that have both: quality from section 5's table
+# (fp32 arithmetic, the plain path), speed from the table above (bf16 arithmetic and the kernels,
+# except fp32). The two ways of computing differ in the last bits — the kernels' cell at the end
+# of this section shows how little.
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+print(f"{'':>9} {'MiB read':>8} {'perplexity':>11} {'vs fp32':>8} {'mean KL':>9} {'top-1':>7} "
+      f"{'tok/s, 1':>9} {'tok/s, 16':>10}")
+for name in ("fp32", "bf16", "int8", "int4-g32"):
+    q = quality["reference" if name == "fp32" else name]
+    print(f"{name:>9} {bytes_read_per_token(speed_variants[name]) / 2**20:8.1f} {q.perplexity:11.3f} "
+          f"{q.perplexity / quality['reference'].perplexity - 1:+8.2%} {q.mean_kl:9.1e} {q.top1:7.2%} "
+          f"{1 / step_seconds[name][1]:9.1f} {16 / step_seconds[name][16]:10.1f}")
+
+# %% [markdown]
+# The same tokens/s as a chart, with the roofline of each variant drawn: the tokens/s a step
+# could reach if it did nothing but read its weights at the probe's speed. The axis is
+# logarithmic, so the gap between a point and its roofline is a ratio.
 
 # %%
 fig, axes = plt.subplots(1, 2, figsize=(10, 3.6), sharey=False)
@@ -839,8 +860,9 @@ names = list(speed_variants)
 for ax, batch in zip(axes, (1, 16)):
     rates = [batch / step_seconds[name][batch] for name in names]
     ceilings = [batch * bandwidth / bytes_read_per_token(speed_variants[name]) for name in names]
-    ax.bar(range(len(names)), rates, color="tab:blue", label="measured")
+    ax.scatter(range(len(names)), rates, marker="o", s=40, color="tab:blue", label="measured", zorder=3)
     ax.scatter(range(len(names)), ceilings, marker="_", s=400, color="tab:red", label="read roofline")
+    ax.vlines(range(len(names)), rates, ceilings, color="tab:red", linewidth=0.5, alpha=0.5)
     ax.set_xticks(range(len(names)), names, rotation=30, ha="right", fontsize=8)
     ax.set_ylabel("tokens/s (log scale)")
     ax.set_yscale("log")
@@ -851,13 +873,22 @@ fig.tight_layout()
 plt.show()
 
 # %% [markdown]
-# Read the table against the roofline. At batch 1, int8 with the kernels against int8 on the
-# plain path is the kernels' whole effect: the same bytes, read as integers or rebuilt as
-# floats. The quantized head reads far fewer bytes (the MiB column), but on the plain path it
-# saves no time. And the quantized variants stay far below their rooflines: at one byte per
-# weight or less, the time goes to unpacking and scaling, not to reading memory. At batch 16, one
-# read of the weights serves 16 tokens, so tokens/s rises for every variant and bytes matter
-# less again — stage 09 draws this turn from memory-bound to compute-bound on the roofline.
+# Read the table against the roofline.
+#
+# * At batch 1, `int8` against `int8, plain path` is the kernels' whole effect: the same bytes
+#   and the same bf16 arithmetic, the integers read as they are or rebuilt as floats. `int4-g32`
+#   reads half as many bytes again.
+# * bf16 weights read half of fp32's bytes, yet one row at a time they are no faster here: a
+#   byte only pays if the kernel that reads it runs at memory speed, and PyTorch's bf16
+#   matrix–vector product on a CPU often does not (stage 04 measured the same).
+# * The quantized head reads far fewer bytes (the MiB column), but on the plain path it saves no
+#   time.
+# * Every variant stays far below its roofline, the quantized ones furthest: at one byte per
+#   weight or less, the time goes to unpacking and scaling, not to reading memory.
+# * At batch 16, one read of the weights serves 16 tokens, so tokens/s rises for every variant,
+#   and the fastest is the one with the fastest matrix *multiplication*, not the fewest bytes —
+#   compare the batch-16 column. Stage 09 draws this turn from memory-bound to compute-bound on
+#   the roofline.
 #
 # The kernels round the scales and the inputs to bf16; here is how far that moves one decode
 # step's logits from the plain path's:
@@ -884,7 +915,7 @@ for name in ("int8 + head", "int4-g32 + head"):
 # %% [markdown]
 # ## 7. Which layers int4 hurts
 #
-# int4 in groups of 64 costs this model about a third of its perplexity (section 5). Is that
+# int4 in groups of 64 costs this model much of its perplexity (section 5's table). Is that
 # loss spread evenly, or do a few layers carry it? The way to find out is an experiment per
 # layer: quantize *only* that layer, measure, and put it back — and the same for each kind of
 # projection (`q_proj` of every block, then `k_proj`, …).
@@ -906,7 +937,8 @@ for name in ("int8 + head", "int4-g32 + head"):
 # `QuantScheme`, and `score(model) -> float`. It returns, per label in the same order, how much
 # the score changes when only that group is quantized: `score(with the group quantized) −
 # score(model)`. Replace a layer with `QuantizedLinear.quantize(layer.weight.detach(), scheme)`
-# and `model.set_submodule(name, ...)`; put back the very modules you took out.
+# and `model.set_submodule(name, ...)`; put back the very modules you took out. If `score`
+# raises, the error must reach the caller — after the model is restored.
 
 # %%
 # export: sensitivity
@@ -945,7 +977,7 @@ def sensitivity(model: LlamaModel, groups: Mapping[str, Sequence[str]], scheme: 
     changes: dict[str, float] = {}
     # BEGIN EXERCISE 8.5: for each group in order, swap its layers for quantized ones, record the change of the score against the baseline, and always put the original modules back
     # Hint 1: One experiment per group: change only that group, measure, undo. The undo must happen whatever the measurement does, so that no group sees another's layers and the model ends as it began.
-    # Hint 2: For each label, keep {name: model.get_submodule(name)} of its layers; inside try, set each name to QuantizedLinear.quantize(layer.weight.detach(), scheme) and store score(model) − baseline; in finally, set each name back to its original module.
+    # Hint 2: Before swapping a group, remember its original modules by name; swap and score inside a try whose finally block puts every remembered module back, so that an error or an interrupt still restores them (and still reaches the caller).
     for label, names in groups.items():
         originals = {name: model.get_submodule(name) for name in names}
         try:
@@ -964,8 +996,11 @@ def sensitivity(model: LlamaModel, groups: Mapping[str, Sequence[str]], scheme: 
 checks.stage08.check_sensitivity(sensitivity)
 
 # %% [markdown]
-# The score: perplexity on the first 512 tokens of the corpus (two windows) — short, because it
-# runs once per group, 37 times. Each group is quantized to int4 in groups of 64.
+# The score: perplexity on the *last* 512 tokens of the corpus (two windows) — short, because it
+# runs once per group, and apart from the first 2,048 tokens on which section 8 will judge the
+# choice it leads to. Each group is quantized to int4 in groups of 64: groups of 32 would show
+# nothing on this model, whose weights they reproduce exactly (section 3); 64 is what int4 costs
+# a model that was not 4-bit to begin with.
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -974,13 +1009,15 @@ from aie_lessons.sensitivity import groups_by_kind, groups_by_layer
 from aie_lessons.sensitivity import sensitivity as committed_sensitivity
 from aie_lessons.text_quality import perplexity
 
-score = lambda m: perplexity(m, corpus_ids[:513], progress=False)
+score = lambda m: perplexity(m, corpus_ids[-513:], progress=False)
 int4 = SCHEMES["int4-g64"]
 by_layer = committed_sensitivity(model, groups_by_layer(model), int4, score)
 by_kind = committed_sensitivity(model, groups_by_kind(model), int4, score)
 print(f"fp32 perplexity on these 512 tokens: {score(model):.3f}")
-print("most sensitive layers:", ", ".join(f"{label} (+{change:.2f})" for label, change in
-                                          sorted(by_layer.items(), key=lambda item: -item[1])[:4]))
+top = sorted(by_layer.items(), key=lambda item: -item[1])[:4]
+print("most sensitive blocks:", ", ".join(f"{label} (+{change:.2f})" for label, change in top))
+print(f"the four of them: {sum(c for _, c in top):.2f} of the {sum(by_layer.values()):.2f} that the 30 blocks "
+      f"add up to; blocks that seem to gain: {sum(c < 0 for c in by_layer.values())}")
 print("by kind:", ", ".join(f"{label} +{change:.2f}" for label, change in by_kind.items()))
 print("the model came back unquantized:",
       all(type(model.get_submodule(name)).__name__ == "Linear" for name in block_linear_names(model)))
@@ -1000,13 +1037,17 @@ fig.tight_layout()
 plt.show()
 
 # %% [markdown]
+# A block that seems to *gain* from int4 does not: on 512 tokens a change of a few hundredths is
+# noise — rounding moves a few predictions either way. The large bars are not noise.
+#
 # ## 8. A mixed scheme
 #
-# The loss is not spread evenly: a few blocks and one or two kinds of projection carry most of
-# it. Keeping *those* in int8 should buy back a large part of int4's loss for a few MiB. What a
-# group costs to keep in int8 depends on its size — `v_proj` is 192 × 576, `down_proj`
-# 576 × 1536 — so the choice below ranks groups by perplexity recovered per extra MiB, and takes
-# the best until the extra bytes reach 10% of the int4 blocks' size.
+# The loss is not spread evenly: a few blocks and one or two kinds of projection carry much of
+# it (the sums printed above). Keeping *those* in int8 should buy back a large part of int4's
+# loss for a few MiB. What a group costs to keep in int8 depends on its size — `v_proj` is
+# 192 × 576, `down_proj` 576 × 1536 — so the choice below ranks groups by perplexity recovered
+# per extra MiB, goes down the ranking, and keeps each group that still fits in a budget of 10%
+# of the int4 blocks' size.
 
 # %%
 # NBVAL_IGNORE_OUTPUT

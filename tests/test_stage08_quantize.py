@@ -140,6 +140,11 @@ def halves_concatenated(packed):
     return torch.cat([packed & 15, packed >> 4], dim=-1).to(torch.int8) - 8
 
 
+def sign_shifted(packed):
+    signed = packed.to(torch.int8)  # bytes ≥ 128 turn negative, and >> then shifts in ones
+    return torch.stack([signed & 15, signed >> 4], dim=-1).flatten(-2) - 8
+
+
 def unsigned_result(packed):
     return (unpack_int4(packed).to(torch.int16) + 8).to(torch.uint8)
 
@@ -147,7 +152,8 @@ def unsigned_result(packed):
 @mutants("8.3", [
     (offset_kept, "still offset by 8"),
     (halves_swapped, "each pair comes back swapped"),
-    (halves_concatenated, "came back as"),
+    (halves_concatenated, "interleave them instead"),
+    (sign_shifted, "shift the uint8 bytes before converting"),
     (unsigned_result, "return torch.int8"),
 ])
 def test_unpacking_mistakes_are_named(wrong, message):
@@ -175,8 +181,18 @@ def _int4(w, group_size, *, per_row=False, rounding=torch.round, zero_guard=True
     return pack_int4(q.reshape(rows, columns)), scales, zeros
 
 
+def symmetric_int4(w, group_size):
+    rows, columns = w.shape
+    groups = w.float().reshape(rows, columns // group_size, group_size)
+    scales = groups.abs().amax(-1) / 7
+    scales = torch.where(scales == 0, torch.ones_like(scales), scales)
+    q = torch.round(groups / scales[..., None]).clamp(-8, 7).to(torch.int8).reshape(rows, columns)
+    return pack_int4(q), scales, torch.zeros_like(scales)
+
+
 @mutants("8.4", [
     (lambda w, g: _int4(w, g, per_row=True), "one scale per row"),
+    (symmetric_int4, "that is the symmetric grid"),
     (lambda w, g: _int4(w, g, rounding=torch.trunc), "truncated towards zero"),
     (lambda w, g: _int4(w, g, zero_guard=False), "equal weights .* got a zero"),
     (lambda w, g: _int4(w, g, levels=16), "divides the range by 16"),
@@ -259,6 +275,14 @@ def baseline_last(*args):
     return _sensitivity(*args, baseline_first=False)
 
 
+def own_group_size(*args):
+    return _sensitivity(*args, scheme_used=SCHEMES["int4-g64"])  # the notebook's scheme: 64 does not divide 48
+
+
+def sign_flipped(model, groups, scheme, score):
+    return {label: -change for label, change in _sensitivity(model, groups, scheme, score).items()}
+
+
 def swallows_the_error(model, groups, scheme, score):
     try:
         return _sensitivity(model, groups, scheme, score)
@@ -275,6 +299,8 @@ def swallows_the_error(model, groups, scheme, score):
     (new_modules_put_back, "is a new Linear object, not the module that was there"),
     (baseline_last, "the first score must be the baseline"),
     (swallows_the_error, "sensitivity returned normally"),
+    (own_group_size, "quantize with the scheme passed in, not one of your own"),
+    (sign_flipped, "the sign is flipped"),
 ])
 def test_sensitivity_mistakes_are_named(wrong, message):
     with names_the_mistake("8.5", message):

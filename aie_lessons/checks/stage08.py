@@ -145,9 +145,14 @@ def check_unpack_int4(unpack_int4) -> None:
         if torch.equal(got, swapped):
             fail("8.3", "each pair comes back swapped: the low nibble is the even column, the high "
                         "nibble the odd one")
+        packed = _pack_reference(q)
+        if torch.equal(got.to(torch.int16), torch.cat([packed & 15, packed >> 4], dim=-1).to(torch.int16) - 8):
+            fail("8.3", "the low nibbles come back as the first half of each row and the high ones as the "
+                        "second: interleave them instead (low, high, low, high, …), e.g. stack on a new last "
+                        "dimension, then flatten")
         r, c = (int(i) for i in (got != q).nonzero()[0])
         hint = (" (an int8 byte ≥ 128 is negative, and >> then shifts in ones: shift the uint8 bytes "
-                "before converting)" if c % 2 else "")
+                "before converting)" if c % 2 and got[r, c].item() < -8 else "")
         fail("8.3", f"value [{r}, {c}] came back as {got[r, c].item()}, expected {q[r, c].item()}{hint}")
     passed("8.3", "every value −8 … 7 comes back in its column")
 
@@ -203,6 +208,12 @@ def check_quantize_int4(quantize_int4, dequantize_int4) -> None:
                                       rtol=1e-5, atol=0):
                         fail("8.4", "the scale divides the range by 16: 16 levels are 15 steps apart, "
                                     "so scale = (max − min) / 15")
+                    absmax = grouped.abs().amax(dim=-1)
+                    if any(torch.allclose(scales.float()[varied], (absmax / d)[varied], rtol=1e-5, atol=0)
+                           for d in (7, 7.5, 8)):
+                        fail("8.4", "the scale comes from the group's largest magnitude: that is the "
+                                    "symmetric grid. Map the group's own range min … max onto the 16 levels: "
+                                    "scale = (max − min) / 15")
                     r, k = (int(i) for i in differs.nonzero()[0])
                     fail("8.4", f"groups of {group_size}: group {k} of row {r} has scale {scales[r, k].item():.6g}, "
                                 f"expected {want_scales[r, k].item():.6g} = (the group's max − its min) / 15")
@@ -276,6 +287,9 @@ def check_sensitivity(sensitivity) -> None:
     except CheckFailed as exc:
         if isinstance(exc.__cause__, CheckFailed):  # the score found the mistake: say it plainly
             raise exc.__cause__ from None
+        if isinstance(exc.__cause__, ValueError) and "groups of" in str(exc.__cause__):
+            fail("8.5", f"{exc.__cause__}: the layers here are 32 and 48 wide, and the scheme passed in "
+                        f"({scheme.name}) fits them; quantize with the scheme passed in, not one of your own")
         if isinstance(exc.__cause__, AttributeError) and "QuantizedLinear" in str(exc.__cause__):
             fail("8.5", f"{exc.__cause__}: a layer was still quantized when a later group (they overlap "
                         "here) came to it, and quantizing it again failed: put each group's original "
@@ -298,7 +312,9 @@ def check_sensitivity(sensitivity) -> None:
     for label, names_in_group in groups.items():
         want = float(len(names_in_group))
         if abs(changes[label] - want) > 1e-9:
-            extra = " (that is the score itself: subtract the baseline)" if abs(changes[label] - want - 10) < 1e-9 else ""
+            extra = (" (that is the score itself: subtract the baseline)" if abs(changes[label] - want - 10) < 1e-9
+                     else " (the sign is flipped: the score with the group quantized, minus the baseline)"
+                     if abs(changes[label] + want) < 1e-9 else "")
             fail("8.5", f"group {label!r}: the change should be score − baseline = {want:g}, got "
                         f"{changes[label]!r}{extra}")
     for name, layer in originals.items():
