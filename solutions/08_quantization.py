@@ -767,7 +767,7 @@ ax.annotate("KERNEL_MAX_ROWS", (KERNEL_MAX_ROWS, 0.03), xycoords=("data", "axes 
 ax.set_xlabel("rows (tokens in the step)")
 ax.set_ylabel("µs per call, 1536 × 576")
 ax.set_title("The integer kernels pay for a few rows at a time")
-ax.legend(fontsize=8)
+ax.legend(fontsize=8, loc="upper left")
 ax.grid(alpha=0.3)
 fig.tight_layout()
 plt.show()
@@ -877,7 +877,7 @@ plt.show()
 #
 # * At batch 1, `int8` against `int8, plain path` is the kernels' whole effect: the same bytes
 #   and the same bf16 arithmetic, the integers read as they are or rebuilt as floats. `int4-g32`
-#   reads half as many bytes again.
+#   reads fewer bytes still, through its own kernel.
 # * bf16 weights read half of fp32's bytes, yet one row at a time they are no faster here: a
 #   byte only pays if the kernel that reads it runs at memory speed, and PyTorch's bf16
 #   matrix–vector product on a CPU often does not (stage 04 measured the same).
