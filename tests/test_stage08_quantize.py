@@ -275,10 +275,6 @@ def baseline_last(*args):
     return _sensitivity(*args, baseline_first=False)
 
 
-def own_group_size(*args):
-    return _sensitivity(*args, scheme_used=SCHEMES["int4-g64"])  # the notebook's scheme: 64 does not divide 48
-
-
 def sign_flipped(model, groups, scheme, score):
     return {label: -change for label, change in _sensitivity(model, groups, scheme, score).items()}
 
@@ -299,7 +295,6 @@ def swallows_the_error(model, groups, scheme, score):
     (new_modules_put_back, "is a new Linear object, not the module that was there"),
     (baseline_last, "the first score must be the baseline"),
     (swallows_the_error, "sensitivity returned normally"),
-    (own_group_size, "quantize with the scheme passed in, not one of your own"),
     (sign_flipped, "the sign is flipped"),
 ])
 def test_sensitivity_mistakes_are_named(wrong, message):

@@ -1,0 +1,132 @@
+"""Checks for stage 09: a decode step's FLOPs and bytes.
+
+The expected FLOPs are not computed from a formula here: ``FlopCounterMode`` counts the matrix
+products of a real decode step of small random models (several shapes: tied and untied heads,
+grouped-query and multi-head attention), run with stage 02's ``manual`` attention backend,
+whose products the counter sees. The expected bytes are the weights once plus every request's
+cached keys and values, from the tensors' sizes. When a result is wrong, the usual wrong
+formulas are tried to name the mistake.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from aie_lessons.checks.common import call, fail, passed
+
+SHAPES = (  # (layers, heads, kv_heads, head_dim, hidden, intermediate, vocab, tied)
+    (3, 6, 2, 4, 24, 40, 50, True),  # first: 3 query heads per kv head tells the usual mistakes apart
+    (2, 4, 2, 8, 32, 48, 64, True),
+    (1, 4, 4, 8, 32, 80, 96, False),
+)
+
+
+def _config(layers, heads, kv_heads, head_dim, hidden, intermediate, vocab, tied):
+    from aie_lessons.config import ModelConfig
+
+    return ModelConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate, num_layers=layers,
+                       num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, rms_norm_eps=1e-5,
+                       rope_theta=10000.0, max_position_embeddings=64, tie_word_embeddings=tied, eos_token_ids=(1,))
+
+
+def _counted_flops(config, batch: int, context: int) -> int:
+    """FlopCounterMode's count of one decode step: ``batch`` rows, ``context`` positions each."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    import aie_lessons.attention  # noqa: F401 - registers the "manual" backend
+    from aie_lessons.kv_cache import KVCache
+    from aie_lessons.model import LlamaModel
+
+    torch.manual_seed(9)
+    model = LlamaModel(config, attention="manual").eval()
+    ids = torch.randint(0, config.vocab_size, (batch, context))
+    positions = torch.arange(context).expand(batch, context)
+    cache = KVCache(config, batch, context)
+    with torch.inference_mode():
+        if context > 1:
+            model(ids[:, :-1], positions[:, :-1], cache=cache, cache_start=0)
+        with FlopCounterMode(display=False) as counter:
+            model(ids[:, -1:], positions[:, -1:], cache=cache, cache_start=context - 1)
+    return counter.get_total_flops()
+
+
+def _parts(config, batch: int, context: int) -> dict[str, int]:
+    """The pieces of the count, to name a mistake (the expected total comes from the counter)."""
+    d = config.head_dim
+    block = (2 * config.hidden_size * config.num_heads * d + 2 * config.hidden_size * config.num_kv_heads * d
+             + 3 * config.hidden_size * config.intermediate_size)
+    return {"blocks": 2 * batch * config.num_layers * block,
+            "head": 2 * batch * config.vocab_size * config.hidden_size,
+            "attention": batch * config.num_layers * 4 * config.num_heads * d * context,
+            "attention_kv": batch * config.num_layers * 4 * config.num_kv_heads * d * context,
+            "kv_per_position": 2 * config.num_layers * config.num_kv_heads * d}
+
+
+def _name_flops_mistake(got: int, want: int, parts: dict[str, int]) -> str:
+    attention = parts["attention"]
+    known = {
+        want // 2: "half the expected FLOPs: a multiply-add is 2 FLOPs (one multiply, one add)",
+        want - (parts["blocks"] + parts["head"]) // 2: "the weights' FLOPs are half: a multiply-add is 2 FLOPs "
+                                                        "(one multiply, one add) per weight and request",
+        want - attention: "attention's arithmetic is missing: the scores q·k and the weighted sum of the "
+                          "values, 2 × head_dim FLOPs per position each, for every query head",
+        want - attention + parts["attention_kv"]: "attention was counted per key-value head: with grouped-query "
+                                                  "attention every *query* head computes its own scores and sum",
+        want - parts["head"]: "the output head is missing: vocab_size × hidden_size weights, 2 FLOPs each per "
+                              "request",
+        want - attention // 2: "attention counted once: the scores and the weighted sum of the values cost "
+                               "2 × head_dim FLOPs per position each",
+    }
+    return known.get(got, "")
+
+
+def check_decode_step_cost(decode_step_cost) -> None:
+    """9.1: FLOPs against FlopCounterMode on three random shapes, batch 1 and 3, contexts 1, 5
+    and 17; bytes against the weights once plus the caches, in fp32 and bf16."""
+    weight_bytes = 123_456
+    for shape in SHAPES:
+        config = _config(*shape)
+        for batch, context in ((1, 1), (1, 5), (3, 17)):
+            want_flops = _counted_flops(config, batch, context)
+            parts = _parts(config, batch, context)
+            for kv_dtype in (torch.float32, torch.bfloat16):
+                element = torch.empty((), dtype=kv_dtype).element_size()
+                cost = call("9.1", decode_step_cost, config, batch, context, weight_bytes, kv_dtype)
+                for field in ("flops", "bytes"):
+                    value = getattr(cost, field, None)
+                    if not isinstance(value, int) or isinstance(value, bool):
+                        fail("9.1", f"{field} should be an int (a count), got {type(value).__name__} {value!r}")
+                where = (f"(layers {config.num_layers}, {config.num_heads} query heads sharing "
+                         f"{config.num_kv_heads} key-value heads, batch {batch}, context {context})")
+                if cost.flops != want_flops:
+                    if batch > 1 and cost.flops * batch == want_flops:
+                        fail("9.1", f"{cost.flops:,} FLOPs {where}, expected {want_flops:,}: that is one request's "
+                                    "arithmetic — every request of the batch does it, so multiply by batch")
+                    if batch > 1 and cost.flops == want_flops * batch:
+                        fail("9.1", f"{cost.flops:,} FLOPs {where}, expected {want_flops:,}: the batch was "
+                                    "multiplied in twice")
+                    mistake = _name_flops_mistake(cost.flops, want_flops, parts)
+                    fail("9.1", f"{cost.flops:,} FLOPs {where}; FlopCounterMode counted {want_flops:,}"
+                                + (f": {mistake}" if mistake else ""))
+                kv = parts["kv_per_position"] * element * context * batch
+                want_bytes = weight_bytes + kv
+                if cost.bytes != want_bytes:
+                    heads_kv = 2 * config.num_layers * config.num_heads * config.head_dim * element * context * batch
+                    named = {
+                        weight_bytes: "the cached keys and values are missing: every request reads its own, "
+                                      "context positions of them",
+                        weight_bytes * batch + kv: "the weights were counted once per request: a step reads them "
+                                                   "once for the whole batch — that is why batching pays",
+                        weight_bytes + heads_kv: "the cache was counted per query head: keys and values are stored "
+                                                 "per key-value head (num_kv_heads)",
+                        weight_bytes + kv // element: "the cache was counted at one byte per number: use the "
+                                                      f"element size of kv_dtype ({element} for {kv_dtype})",
+                        weight_bytes + kv // element * 4: "the cache was counted in float32 whatever its dtype: "
+                                                          f"use the element size of kv_dtype ({element} for {kv_dtype})",
+                        weight_bytes + kv // 2: "only the keys (or only the values) were counted: both are cached",
+                    }
+                    fail("9.1", f"{cost.bytes:,} bytes {where}, {kv_dtype}; expected {want_bytes:,} = the weights "
+                                f"({weight_bytes:,}) + the caches ({kv:,})"
+                                + (f": {named[cost.bytes]}" if cost.bytes in named else ""))
+    passed("9.1", "FLOPs equal FlopCounterMode's count of real decode steps (3 shapes, tied and untied, "
+                  "grouped-query and multi-head, batch 1 and 3); bytes are the weights once plus the caches")
