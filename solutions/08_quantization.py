@@ -617,7 +617,7 @@ def perplexity(model: LlamaModel, ids: list[int], window: int = 256, progress: b
 
 # %% [markdown]
 # The variants: bf16 weights (stage 04), int8, int4 with three group sizes, and int8 with the
-# output head quantized too. Each is a fresh copy of the model; 2,048 tokens here keep the cell
+# output head quantized too. Each is a fresh copy of the model; 1,024 tokens here keep the cell
 # short (the tests score the whole corpus).
 
 # %%
@@ -629,13 +629,13 @@ from aie_lessons.text_quality import text_quality
 
 corpus = (DATA_DIR / "prose" / "python_language_reference.txt").read_text()
 corpus_ids = tokenizer.encode(corpus)
-print(f"corpus: {len(corpus_ids):,} tokens; scored here: the first 2,048 + 1")
+print(f"corpus: {len(corpus_ids):,} tokens; scored here: the first 1,024 + 1")
 variants = {"bf16": LlamaModel.from_pretrained(MODEL_DIR, dtype=torch.bfloat16)}
 for name, head in (("int8", False), ("int4-g192", False), ("int4-g64", False), ("int4-g32", False),
                    ("int8", True)):
     label = name + (" + head" if head else "")
     variants[label] = quantize_model(LlamaModel.from_pretrained(MODEL_DIR), name, head=head)
-quality = text_quality(model, variants, corpus_ids[:2049])
+quality = text_quality(model, variants, corpus_ids[:1025])
 sizes = {"reference": bytes_read_per_token(model), **{name: bytes_read_per_token(v) for name, v in variants.items()}}
 print(f"{'':>14} {'MiB read':>8} {'perplexity':>11} {'vs fp32':>8} {'mean KL':>9} {'top-1':>7}")
 for name, q in quality.items():
@@ -806,20 +806,22 @@ speed_variants = {
 prompt = corpus_ids[:64]
 
 
-def decode_step(variant: LlamaModel, batch: int):
+def decode_step(variant: LlamaModel, batch: int, prefill: bool = True):
     """One decode step of ``batch`` requests after the same 64-token prompt, ready to call again
-    (it rewrites the same cache column each time)."""
+    (it rewrites the same cache column each time). Without ``prefill`` the cache holds zeros:
+    attention over 65 positions costs the same whatever they hold, so timings need no prefill."""
     ids = torch.tensor([prompt + [prompt[0]]] * batch)
     positions = torch.arange(ids.shape[1]).expand_as(ids)
     cache = KVCache(variant.config, batch, ids.shape[1], dtype=variant.activations)
-    with torch.inference_mode():
-        variant(ids[:, :-1], positions[:, :-1], cache=cache, cache_start=0, last_position_only=True)
+    if prefill:
+        with torch.inference_mode():
+            variant(ids[:, :-1], positions[:, :-1], cache=cache, cache_start=0, last_position_only=True)
     return lambda: variant(ids[:, -1:], positions[:, -1:], cache=cache, cache_start=len(prompt))[:, -1]
 
 
 def decode_step_seconds(variant: LlamaModel, batch: int) -> float:
     """The fastest of five decode steps (after a warm-up): the least disturbed by the machine."""
-    step = decode_step(variant, batch)
+    step = decode_step(variant, batch, prefill=False)
     return min(median_seconds(step, 1) for _ in range(5))
 
 
@@ -996,8 +998,8 @@ def sensitivity(model: LlamaModel, groups: Mapping[str, Sequence[str]], scheme: 
 checks.stage08.check_sensitivity(sensitivity)
 
 # %% [markdown]
-# The score: perplexity on the *last* 512 tokens of the corpus (two windows) — short, because it
-# runs once per group, and apart from the first 2,048 tokens on which section 8 will judge the
+# The score: perplexity on the *last* 256 tokens of the corpus (two windows of 128) — short,
+# because it runs once per group, and apart from the first 1,024 tokens on which section 8 judges the
 # choice it leads to. Each group is quantized to int4 in groups of 64: groups of 32 would show
 # nothing on this model, whose weights they reproduce exactly (section 3); 64 is what int4 costs
 # a model that was not 4-bit to begin with.
@@ -1009,11 +1011,11 @@ from aie_lessons.sensitivity import groups_by_kind, groups_by_layer
 from aie_lessons.sensitivity import sensitivity as committed_sensitivity
 from aie_lessons.text_quality import perplexity
 
-score = lambda m: perplexity(m, corpus_ids[-513:], progress=False)
+score = lambda m: perplexity(m, corpus_ids[-257:], window=128, progress=False)
 int4 = SCHEMES["int4-g64"]
 by_layer = committed_sensitivity(model, groups_by_layer(model), int4, score)
 by_kind = committed_sensitivity(model, groups_by_kind(model), int4, score)
-print(f"fp32 perplexity on these 512 tokens: {score(model):.3f}")
+print(f"fp32 perplexity on these 256 tokens: {score(model):.3f}")
 top = sorted(by_layer.items(), key=lambda item: -item[1])[:4]
 print("most sensitive blocks:", ", ".join(f"{label} (+{change:.2f})" for label, change in top))
 print(f"the four of them: {sum(c for _, c in top):.2f} of the {sum(by_layer.values()):.2f} that the 30 blocks "
@@ -1037,8 +1039,8 @@ fig.tight_layout()
 plt.show()
 
 # %% [markdown]
-# A block that seems to *gain* from int4 does not: on 512 tokens a change of a few hundredths is
-# noise — rounding moves a few predictions either way. The large bars are not noise.
+# A block that seems to *gain* from int4 does not: on 256 tokens, small changes either way are
+# noise — rounding moves a few predictions up or down. The large bars are not noise.
 #
 # ## 8. A mixed scheme
 #
@@ -1079,12 +1081,12 @@ print(f"{len(chosen)} of {len(block_linear_names(model))} layers in int8, "
 
 # %% [markdown]
 # `quantize_model`'s `overrides` puts the chosen layers in int8 and everything else in
-# int4-g64. Scored on the same 2,048 tokens as section 5's table:
+# int4-g64. Scored on the same 1,024 tokens as section 5's table:
 
 # %%
 # NBVAL_IGNORE_OUTPUT
 mixed = quantize_model(LlamaModel.from_pretrained(MODEL_DIR), int4, overrides={name: "int8" for name in chosen})
-mixed_quality = text_quality(model, {"mixed": mixed}, corpus_ids[:2049])["mixed"]
+mixed_quality = text_quality(model, {"mixed": mixed}, corpus_ids[:1025])["mixed"]
 fp32_ppl, int4_ppl = quality["reference"].perplexity, quality["int4-g64"].perplexity
 print(f"{'':>9} {'MiB read':>8} {'perplexity':>11} {'top-1':>7}")
 for label, q, size in (("int4-g64", quality["int4-g64"], sizes["int4-g64"]),
@@ -1404,7 +1406,7 @@ kv_variants = {
                                                                              torch.bfloat16, device)),
     "int8 cache": ThroughCache(model, lambda batch, length, device: Int8KVCache(model.config, batch, length, device)),
 }
-kv_quality = text_quality(model, kv_variants, corpus_ids[:2049])
+kv_quality = text_quality(model, kv_variants, corpus_ids[:1025])
 per_token = {"fp32 cache": kv_cache_bytes(model.config, 1, 1, torch.float32),
              "bf16 cache": kv_cache_bytes(model.config, 1, 1, torch.bfloat16),
              "int8 cache": int8_kv_bytes_per_token(model.config)}

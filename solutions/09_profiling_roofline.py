@@ -43,6 +43,7 @@ from aie_lessons.course.progress import verify_committed_stages
 verify_committed_stages(before="09")
 
 # %%
+import math
 import time
 
 import matplotlib.pyplot as plt
@@ -50,7 +51,7 @@ import torch
 
 from aie_lessons import checks
 from aie_lessons.infra.paths import default_model_dir
-from aie_lessons.kv_cache import KVCache, kv_cache_bytes
+from aie_lessons.kv_cache import KVCache
 from aie_lessons.model import LlamaModel
 from aie_lessons.quantize import bytes_read_per_token, quantize_model
 from aie_lessons.roofline import read_bandwidth
@@ -72,10 +73,12 @@ config = model.config
 #   512 MiB. Decoding reads weights and cached keys and writes almost nothing, so this is the
 #   bandwidth of the roofline.
 # * **copy bandwidth**: `dst.copy_(src)` over 256 MiB, counting the bytes read and the bytes
-#   written. It is lower than the read bandwidth on most machines: every byte crosses the memory
-#   bus twice, and a CPU usually reads a line of the destination before it can write it.
+#   written. It is shown for contrast: a copy's traffic is half writes, a decode step's is
+#   almost all reads, so a roofline of decode built on the copy figure would be the wrong one.
 # * **peak arithmetic**: a 2048 × 2048 matrix multiplication in fp32 and bf16 (`2n³` FLOPs), and
-#   the integer multiplication `torch._int_mm` in int8 (operations, counted the same way).
+#   the integer multiplication `torch._int_mm` in int8 (operations, counted the same way). The
+#   int8 × int8 product is the ceiling of a step that computed entirely in integers; stage 08's
+#   kernels multiply int8 weights by bf16 activations, so bf16's peak is theirs.
 #
 # The best of a few runs is the ceiling: the machine reached it, so it can.
 
@@ -145,8 +148,10 @@ for name, peak in peaks.items():
 # One decode step takes one new token for each of `batch` requests, each of which has `context`
 # positions to attend to (its cache plus the new token). Count:
 #
-# * **FLOPs.** Every weight matrix multiplies every request's vector: a multiply and an add per
-#   weight and request — 2 FLOPs. That is the 7 projections of every block (q, k, v, o, gate, up,
+# * **FLOPs** of the matrix products (the elementwise work — norms, RoPE, softmax, SiLU — is a
+#   rounding error beside them, and `FlopCounterMode`, which the check compares with, counts
+#   products only). Every weight matrix multiplies every request's vector: a multiply and an add
+#   per weight and request — 2 FLOPs. That is the 7 projections of every block (q, k, v, o, gate, up,
 #   down: their shapes follow from `hidden_size`, `num_heads × head_dim`, `num_kv_heads ×
 #   head_dim` and `intermediate_size`) and the output head (`vocab_size × hidden_size`; the
 #   embedding lookup is a copy, not arithmetic). Attention adds, per block and request, the
@@ -233,6 +238,7 @@ def counted_decode_flops(batch: int, context: int) -> int:
     ids = torch.randint(0, config.vocab_size, (batch, context))
     positions = torch.arange(context).expand(batch, context)
     cache = KVCache(config, batch, context)
+    backend = model.layers[0].self_attn.backend
     model.set_attention_backend("manual")
     try:
         with torch.inference_mode():
@@ -240,7 +246,7 @@ def counted_decode_flops(batch: int, context: int) -> int:
             with FlopCounterMode(display=False) as counter:
                 model(ids[:, -1:], positions[:, -1:], cache=cache, cache_start=context - 1)
     finally:
-        model.set_attention_backend("sdpa")
+        model.set_attention_backend(backend)
     return counter.get_total_flops()
 
 
@@ -251,30 +257,50 @@ for batch, context in ((1, 64), (4, 200)):
 # %% [markdown]
 # Now the prediction. At batch 1 a step does about 2 FLOPs per weight it reads — 0.5 FLOPs per
 # byte in fp32 — far left of every ridge. Each request added to the batch adds its FLOPs but
-# reads the same weights, so the intensity grows almost in proportion to the batch, until the
-# requests' own caches (which grow with the batch too) take over the bytes. The batch at which
-# the intensity reaches the ridge is where decode turns compute-bound:
+# reads the same weights, so the intensity grows almost in proportion to the batch — until the
+# requests' own caches, which grow with the batch too, take over the bytes. Then the intensity
+# levels off at one request's FLOPs over one request's cache bytes, whatever the batch, and a
+# ridge above that level is never reached at this context. Write a step's cost as `F·b` FLOPs
+# and `W + C·b` bytes (weights `W`, a request's FLOPs `F` and cache bytes `C`); it reaches the
+# ridge `R` where `F·b = R·(W + C·b)`, at `b* = R·W / (F − R·C)` — if `F > R·C` at all.
+#
+# The quantized variants compute in bf16 (stage 08's kernels), so they are placed against
+# bf16's ridge:
 
 # %%
 # NBVAL_IGNORE_OUTPUT
 CONTEXT = 128
 batches = [2**k for k in range(0, 11)]
-variants = {"fp32": (model, torch.float32, "fp32"),
-            "bf16": (LlamaModel.from_pretrained(MODEL_DIR, dtype=torch.bfloat16), torch.bfloat16, "bf16"),
-            "int8": (quantize_model(LlamaModel.from_pretrained(MODEL_DIR), "int8"), torch.float32, "int8"),
-            "int4-g32": (quantize_model(LlamaModel.from_pretrained(MODEL_DIR), "int4-g32"), torch.float32, "int8")}
+bf16 = torch.bfloat16
+variants = {  # name: (model, cache dtype, the peak its arithmetic runs at)
+    "fp32": (model, torch.float32, "fp32"),
+    "bf16": (LlamaModel.from_pretrained(MODEL_DIR, dtype=bf16, activations=bf16), bf16, "bf16"),
+    "int8": (quantize_model(LlamaModel.from_pretrained(MODEL_DIR, activations=bf16), "int8"), bf16, "bf16"),
+    "int4-g32": (quantize_model(LlamaModel.from_pretrained(MODEL_DIR, activations=bf16), "int4-g32"), bf16, "bf16"),
+}
+
+
+def compute_bound_from(weight_bytes: int, kv_dtype: torch.dtype, ridge: float) -> float | None:
+    """The batch b* where a decode step's intensity reaches ``ridge`` (None: never, at CONTEXT)."""
+    one, two = (committed_step_cost(config, b, CONTEXT, weight_bytes, kv_dtype) for b in (1, 2))
+    per_request_cache = two.bytes - one.bytes
+    weights = one.bytes - per_request_cache
+    if one.flops <= ridge * per_request_cache:
+        return None
+    return ridge * weights / (one.flops - ridge * per_request_cache)
+
+
 turns = {}
 for name, (variant, kv_dtype, peak_name) in variants.items():
-    costs = [committed_step_cost(config, b, CONTEXT, bytes_read_per_token(variant), kv_dtype) for b in batches]
+    size = bytes_read_per_token(variant)
+    at = {b: committed_step_cost(config, b, CONTEXT, size, kv_dtype).intensity for b in (1, 64, 10**6)}
     ridge = peaks[peak_name] / ceilings["read"]
-    turns[name] = next((b for b, cost in zip(batches, costs) if cost.intensity >= ridge), None)
-    print(f"{name:>8}: intensity at batch 1 {costs[0].intensity:5.2f}, at batch 64 {costs[6].intensity:6.1f} "
-          f"FLOPs/byte; ridge {ridge:5.1f} → compute-bound from batch {turns[name] or '> 1024'}")
+    turns[name] = compute_bound_from(size, kv_dtype, ridge)
+    print(f"{name:>8}: intensity at batch 1 {at[1]:5.2f}, 64 {at[64]:5.1f}, a million {at[10**6]:5.1f} "
+          f"FLOPs/byte; {peak_name} ridge {ridge:5.1f} → compute-bound "
+          + (f"from batch {math.ceil(turns[name])}" if turns[name] else f"never at context {CONTEXT}"))
 
 # %% [markdown]
-# (The quantized variants are placed against the int8 ridge, the fastest arithmetic they could
-# use; stage 08's kernels compute in bf16, so their true ridge lies between.)
-#
 # The roofline itself, with every variant's decode step drawn at each batch size:
 
 # %%
@@ -302,24 +328,23 @@ plt.show()
 # ## 3. Measured: tokens per second against the batch
 #
 # The prediction says how many tokens per second a step could give at each batch:
-# `batch / max(FLOPs / peak, bytes / bandwidth)`. Here is the fp32 model, one decode step after
-# a 128-token prompt, at batch 1 … 64, with that line drawn. (Larger batches take a long prefill
-# here; section 2's chart already shows where they would go.)
+# `batch / max(FLOPs / peak, bytes / bandwidth)`. Here is the fp32 model, one decode step at
+# position 127 (attending to 128 positions), at batch 1 … 64, with that line drawn.
 
 # %%
 # NBVAL_IGNORE_OUTPUT
 def decode_step_seconds(variant: LlamaModel, batch: int, context: int, kv_dtype: torch.dtype) -> float:
-    """The fastest of five decode steps (after a warm-up) of ``batch`` requests after a
-    ``context - 1``-token prompt: the step least disturbed by the rest of the machine."""
-    ids = torch.randint(0, config.vocab_size, (batch, context))
-    positions = torch.arange(context).expand(batch, context)
+    """The fastest of five decode steps (after a warm-up) of ``batch`` requests at position
+    ``context - 1``: the step least disturbed by the rest of the machine. The cache is not
+    prefilled: attention over ``context`` positions costs the same whatever they hold."""
+    ids = torch.randint(0, config.vocab_size, (batch, 1))
+    positions = torch.full((batch, 1), context - 1)
     cache = KVCache(config, batch, context, dtype=kv_dtype)
     seconds = []
     with torch.inference_mode():
-        variant(ids[:, :-1], positions[:, :-1], cache=cache, cache_start=0, last_position_only=True)
         for _ in range(6):
             start = time.perf_counter()
-            variant(ids[:, -1:], positions[:, -1:], cache=cache, cache_start=context - 1)
+            variant(ids, positions, cache=cache, cache_start=context - 1)
             seconds.append(time.perf_counter() - start)
     return min(seconds[1:])
 
@@ -339,8 +364,8 @@ fig, ax = plt.subplots(figsize=(6.5, 3.8))
 ax.plot(batches, [predicted[b] for b in batches], color="tab:red", label="roofline prediction")
 ax.plot(measured_batches, [measured[b] for b in measured_batches], marker="o", label="measured, fp32")
 if turns["fp32"]:
-    ax.axvline(turns["fp32"], color="grey", linewidth=1, linestyle="--")
-    ax.annotate("predicted turn to compute-bound", (turns["fp32"], 0.05), xycoords=("data", "axes fraction"),
+    ax.axvline(math.ceil(turns["fp32"]), color="grey", linewidth=1, linestyle="--")
+    ax.annotate("predicted turn to compute-bound", (math.ceil(turns["fp32"]), 0.05), xycoords=("data", "axes fraction"),
                 xytext=(4, 0), textcoords="offset points", fontsize=8, color="grey")
 ax.set_xscale("log", base=2)
 ax.set_yscale("log")
@@ -450,7 +475,8 @@ from aie_lessons.sampling import SamplingParams
 
 
 def profiled_engine_step(running: int):
-    """Start ``running`` requests, step until all decode, then profile one more step."""
+    """Start ``running`` requests and step until all decode; profile a step, and return the
+    ``StepStats`` of the next one, which runs without the profiler's cost."""
     engine = paged_engine(model, tokenizer, max_seqs=running, kv_bytes=256 * 2**20)
     prompt = tokenizer.encode("The history of computing is a story of people and machines.")
     for _ in range(running):
@@ -460,6 +486,7 @@ def profiled_engine_step(running: int):
     for _ in range(2):  # the first profiled step pays the profiler's own start-up: keep the second
         with profile(activities=[ProfilerActivity.CPU]) as engine_profile:
             engine.step()
+    engine.step()  # the phases of a step the profiler did not slow down
     return engine.stats[-1], engine_profile
 
 

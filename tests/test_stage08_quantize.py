@@ -286,6 +286,24 @@ def swallows_the_error(model, groups, scheme, score):
         return {}
 
 
+def test_a_mistake_in_8_1_to_8_4_does_not_fail_8_5():
+    """The learner's QuantizedLinear runs their 8.1–8.4 code; the check swaps in a stand-in."""
+    import types
+
+    class Broken:
+        @classmethod
+        def quantize(cls, weight, scheme, kernels=True):
+            raise RuntimeError("a mistake in exercise 8.4")
+
+    namespace = {**sensitivity.__globals__, "QuantizedLinear": Broken}
+    learners = types.FunctionType(sensitivity.__code__, namespace, "sensitivity")
+    checks.check_sensitivity(learners)
+    assert namespace["QuantizedLinear"] is Broken  # put back after the check
+    del namespace["QuantizedLinear"]
+    with names_the_mistake("8.5", "QuantizedLinear is not a name where sensitivity is defined"):
+        checks.check_sensitivity(learners)
+
+
 @mutants("8.5", [
     (not_restored, "quantizing it again failed: put each group's original modules back"),
     (every_layer_each_time, "while group .* was scored, .* was quantized too"),
@@ -367,7 +385,7 @@ def corpus_quality(real_model_dir):
     assert len(ids) > 8192, f"the corpus must hold more than 8,192 tokens, it holds {len(ids)}"
     reference = LlamaModel.from_pretrained(real_model_dir)
     variants = {scheme: quantize_model(LlamaModel.from_pretrained(real_model_dir), scheme)
-                for scheme in ("int8", "int4-g32", "int4-g64")}
+                for scheme in ("int8", "int4-g64")}  # int4-g32 is exact: proved below without the corpus
     variants["int8 cache"] = ThroughCache(reference, lambda batch, length, device: Int8KVCache(reference.config,
                                                                                               batch, length, device))
     return text_quality(reference, variants, ids[:8193], progress=False)
@@ -390,14 +408,17 @@ def test_int8_keeps_perplexity_within_one_percent(corpus_quality):
     assert int8.top1 >= 0.965, int8
 
 
-def test_int4_in_groups_of_32_reproduces_the_q4_1_model(corpus_quality):
+def test_int4_in_groups_of_32_reproduces_the_q4_1_model(real_model, real_model_dir):
     """The checkpoint was a Q4_1 GGUF (4 bits, groups of 32, a scale and a minimum each): int4
-    in groups of 32 finds its grid exactly, so nothing at all changes. (That rests on the `gguf`
-    package turning Q4_1 into floats as minimum + level × scale, which
-    test_int4_in_groups_of_32_rebuilds_every_projection checks weight by weight.)"""
-    fp32, int4 = corpus_quality["reference"], corpus_quality["int4-g32"]
-    assert int4.top1 == 1.0 and int4.mean_kl < 1e-9, int4  # fp32 all the way: no CPU difference
-    assert abs(int4.perplexity / fp32.perplexity - 1) < 1e-6, (int4, fp32)
+    in groups of 32 finds its grid exactly (test_int4_in_groups_of_32_rebuilds_every_projection
+    checks every weight), so the quantized model computes the fp32 model's logits, up to the
+    summation order of its block-wise products (1e-4 of logits that span about 40). One window
+    of real text shows it: the weights being equal, no other text can differ more."""
+    tokenizer = Tokenizer.from_pretrained(real_model_dir)
+    ids = torch.tensor([tokenizer.encode((DATA_DIR / "prose" / "python_language_reference.txt").read_text())[:256]])
+    int4 = quantize_model(LlamaModel.from_pretrained(real_model_dir), "int4-g32")
+    with torch.inference_mode():
+        assert torch.allclose(int4(ids), real_model(ids), atol=1e-4, rtol=0)
 
 
 def test_int4_in_groups_of_64_costs_what_it_measured(corpus_quality):
@@ -446,15 +467,20 @@ def test_the_cpu_kernels_agree_with_the_plain_path(scheme, shape):
 def test_layers_the_kernel_does_not_take_use_the_plain_path():
     """int4 in groups of 192, or with outputs not a multiple of 16: no kernel, and bf16 inputs
     still work; a non-contiguous input reaches the kernel as a contiguous one."""
+    g = torch.Generator().manual_seed(7)
+
+    def close_to_bf16(got, exact):  # bf16 keeps 8 bits: errors scale with the outputs' size
+        return (got.float() - exact).abs().max() <= 0.02 * exact.abs().max()
+
     for shape, scheme in (((16, 192), "int4-g192"), ((8, 64), "int4-g32")):
-        layer = QuantizedLinear.quantize(torch.randn(*shape), SCHEMES[scheme])
+        layer = QuantizedLinear.quantize(torch.randn(*shape, generator=g), SCHEMES[scheme])
         assert not layer.kernels
-        x = torch.randn(2, shape[1]).bfloat16()
-        assert torch.allclose(layer(x).float(), x.float() @ layer.dequantized().T, atol=0.05, rtol=0.02)
+        x = torch.randn(2, shape[1], generator=g).bfloat16()
+        assert close_to_bf16(layer(x), x.float() @ layer.dequantized().T)
     assert not QuantizedLinear.quantize(torch.randn(8, 64), SCHEMES["int8"], kernels=False).kernels
-    layer = QuantizedLinear.quantize(torch.randn(32, 64), SCHEMES["int4-g32"])
-    x = torch.randn(64, 3).bfloat16().T  # not contiguous
-    assert torch.allclose(layer(x).float(), x.float() @ layer.dequantized().T, atol=0.05, rtol=0.02)
+    layer = QuantizedLinear.quantize(torch.randn(32, 64, generator=g), SCHEMES["int4-g32"])
+    x = torch.randn(64, 3, generator=g).bfloat16().T  # not contiguous
+    assert close_to_bf16(layer(x), x.float() @ layer.dequantized().T)
 
 
 def test_the_kernel_layout_follows_new_buffers():

@@ -35,7 +35,7 @@ def _cost(config, batch, context, weight_bytes, kv_dtype=torch.float32, *, multi
 
 
 @mutants("9.1", [
-    (lambda *a: _cost(*a, multiply_add=1), "a multiply-add is 2 FLOPs"),
+    (lambda *a: _cost(*a, multiply_add=1), "the weights' FLOPs are half"),
     (lambda *a: _cost(*a, attention=0), "attention's arithmetic is missing"),
     (lambda *a: _cost(*a, attention=2), "attention counted once"),
     (lambda *a: _cost(*a, attention_heads=lambda c: c.num_kv_heads), "counted per key-value head"),
@@ -46,12 +46,29 @@ def _cost(config, batch, context, weight_bytes, kv_dtype=torch.float32, *, multi
     (lambda *a: _cost(*a, kv=False), "the cached keys and values are missing"),
     (lambda *a: _cost(*a, kv_heads=lambda c: c.num_heads), "counted per query head"),
     (lambda config, batch, context, weight_bytes, kv_dtype: _cost(config, batch, context, weight_bytes),
-     "element size of kv_dtype"),
+     "in float32 whatever its dtype"),
+    (lambda config, batch, context, weight_bytes, kv_dtype: DecodeCost(
+        _cost(config, batch, context, weight_bytes).flops,
+        weight_bytes + kv_cache_bytes(config, context, 1, kv_dtype)), "one request's cache was counted"),
     (lambda *a: DecodeCost(float(_cost(*a).flops), _cost(*a).bytes), "flops should be an int"),
 ])
 def test_decode_cost_mistakes_are_named(wrong, message):
     with names_the_mistake("9.1", message):
         checks.check_decode_step_cost(wrong)
+
+
+def test_the_first_shape_tells_every_mistake_apart():
+    """The check reports the first shape's diagnosis: there, no two mistakes may give one number
+    (on other shapes some do, and the check keeps the first meaning)."""
+    config = checks._config(*checks.SHAPES[0])
+    for batch, context in ((1, 1), (3, 17)):
+        want = checks._counted_flops(config, batch, context)
+        parts = checks._parts(config, batch, context)
+        candidates = [want // 2, want - (parts["blocks"] + parts["head"]) // 2, want - parts["attention"],
+                      want - parts["attention"] + parts["attention_kv"], want - parts["head"],
+                      want - parts["attention"] // 2]
+        assert len(set(candidates)) == len(candidates) and want not in candidates
+        assert len(checks.flops_diagnoses(want, parts)) == len(candidates)
 
 
 def test_the_count_equals_flop_counter_on_the_real_model(real_model):

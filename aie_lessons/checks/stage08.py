@@ -276,6 +276,10 @@ def check_sensitivity(sensitivity) -> None:
     """8.5: on a 3-block random model, with a score that records which layers are quantized at
     each call: every group alone, the change against the baseline, the original modules back
     (also when the score raises), the scheme passed in."""
+    if "QuantizedLinear" not in getattr(sensitivity, "__globals__", {}):
+        fail("8.5", "QuantizedLinear is not a name where sensitivity is defined: the check replaces it there "
+                    "with a stand-in (so that 8.1–8.4 cannot fail 8.5). Fix: call QuantizedLinear.quantize(...) "
+                    "by that name, as defined or imported next to your function")
     with isolated(sensitivity, QuantizedLinear=_StandIn):
         _check_sensitivity(sensitivity)
 

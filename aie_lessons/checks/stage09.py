@@ -16,7 +16,7 @@ from aie_lessons.checks.common import call, fail, passed
 
 SHAPES = (  # (layers, heads, kv_heads, head_dim, hidden, intermediate, vocab, tied)
     (3, 6, 2, 4, 24, 40, 50, True),  # first: 3 query heads per kv head tells the usual mistakes apart
-    (2, 4, 2, 8, 32, 48, 64, True),
+    (2, 4, 2, 6, 32, 48, 64, True),  # heads × head_dim (24) ≠ hidden (32): q and o are not square
     (1, 4, 4, 8, 32, 80, 96, False),
 )
 
@@ -37,9 +37,10 @@ def _counted_flops(config, batch: int, context: int) -> int:
     from aie_lessons.kv_cache import KVCache
     from aie_lessons.model import LlamaModel
 
-    torch.manual_seed(9)
-    model = LlamaModel(config, attention="manual").eval()
-    ids = torch.randint(0, config.vocab_size, (batch, context))
+    with torch.random.fork_rng():  # the learner's own random state stays as it was
+        torch.manual_seed(9)
+        model = LlamaModel(config, attention="manual").eval()
+        ids = torch.randint(0, config.vocab_size, (batch, context))
     positions = torch.arange(context).expand(batch, context)
     cache = KVCache(config, batch, context)
     with torch.inference_mode():
@@ -62,22 +63,49 @@ def _parts(config, batch: int, context: int) -> dict[str, int]:
             "kv_per_position": 2 * config.num_layers * config.num_kv_heads * d}
 
 
-def _name_flops_mistake(got: int, want: int, parts: dict[str, int]) -> str:
+def _diagnoses(want: int, candidates: list[tuple[int, str]]) -> dict[int, str]:
+    """``{wrong value: what it means}``, keeping the first meaning of a value and never the
+    expected value itself: on some shapes two mistakes give the same number."""
+    named: dict[int, str] = {}
+    for value, meaning in candidates:
+        if value != want and value not in named:
+            named[value] = meaning
+    return named
+
+
+def flops_diagnoses(want: int, parts: dict[str, int]) -> dict[int, str]:
     attention = parts["attention"]
-    known = {
-        want // 2: "half the expected FLOPs: a multiply-add is 2 FLOPs (one multiply, one add)",
-        want - (parts["blocks"] + parts["head"]) // 2: "the weights' FLOPs are half: a multiply-add is 2 FLOPs "
-                                                        "(one multiply, one add) per weight and request",
-        want - attention: "attention's arithmetic is missing: the scores q·k and the weighted sum of the "
-                          "values, 2 × head_dim FLOPs per position each, for every query head",
-        want - attention + parts["attention_kv"]: "attention was counted per key-value head: with grouped-query "
-                                                  "attention every *query* head computes its own scores and sum",
-        want - parts["head"]: "the output head is missing: vocab_size × hidden_size weights, 2 FLOPs each per "
-                              "request",
-        want - attention // 2: "attention counted once: the scores and the weighted sum of the values cost "
-                               "2 × head_dim FLOPs per position each",
-    }
-    return known.get(got, "")
+    return _diagnoses(want, [
+        (want // 2, "half the expected FLOPs: a multiply-add is 2 FLOPs (one multiply, one add)"),
+        (want - (parts["blocks"] + parts["head"]) // 2, "the weights' FLOPs are half: a multiply-add is 2 FLOPs "
+                                                         "(one multiply, one add) per weight and request"),
+        (want - attention, "attention's arithmetic is missing: the scores q·k and the weighted sum of the "
+                           "values, 2 × head_dim FLOPs per position each, for every query head"),
+        (want - attention + parts["attention_kv"], "attention was counted per key-value head: with grouped-query "
+                                                   "attention every *query* head computes its own scores and sum"),
+        (want - parts["head"], "the output head is missing: vocab_size × hidden_size weights, 2 FLOPs each per "
+                               "request"),
+        (want - attention // 2, "attention counted once: the scores and the weighted sum of the values cost "
+                                "2 × head_dim FLOPs per position each"),
+    ])
+
+
+def bytes_diagnoses(want: int, weight_bytes: int, kv: int, heads_kv: int, element: int, batch: int,
+                    kv_dtype: torch.dtype) -> dict[int, str]:
+    return _diagnoses(want, [
+        (weight_bytes, "the cached keys and values are missing: every request reads its own, context positions "
+                       "of them"),
+        (weight_bytes * batch + kv, "the weights were counted once per request: a step reads them once for the "
+                                    "whole batch — that is why batching pays"),
+        (weight_bytes + kv // batch, "one request's cache was counted: every request of the batch reads its own"),
+        (weight_bytes + heads_kv, "the cache was counted per query head: keys and values are stored per key-value "
+                                  "head (num_kv_heads)"),
+        (weight_bytes + kv // element * 4, "the cache was counted in float32 whatever its dtype: use the element "
+                                           f"size of kv_dtype ({element} for {kv_dtype})"),
+        (weight_bytes + kv // element, "the cache was counted at one byte per number: use the element size of "
+                                       f"kv_dtype ({element} for {kv_dtype})"),
+        (weight_bytes + kv // 2, "only the keys (or only the values) were counted: both are cached"),
+    ])
 
 
 def check_decode_step_cost(decode_step_cost) -> None:
@@ -105,26 +133,14 @@ def check_decode_step_cost(decode_step_cost) -> None:
                     if batch > 1 and cost.flops == want_flops * batch:
                         fail("9.1", f"{cost.flops:,} FLOPs {where}, expected {want_flops:,}: the batch was "
                                     "multiplied in twice")
-                    mistake = _name_flops_mistake(cost.flops, want_flops, parts)
+                    mistake = flops_diagnoses(want_flops, parts).get(cost.flops, "")
                     fail("9.1", f"{cost.flops:,} FLOPs {where}; FlopCounterMode counted {want_flops:,}"
                                 + (f": {mistake}" if mistake else ""))
                 kv = parts["kv_per_position"] * element * context * batch
                 want_bytes = weight_bytes + kv
                 if cost.bytes != want_bytes:
                     heads_kv = 2 * config.num_layers * config.num_heads * config.head_dim * element * context * batch
-                    named = {
-                        weight_bytes: "the cached keys and values are missing: every request reads its own, "
-                                      "context positions of them",
-                        weight_bytes * batch + kv: "the weights were counted once per request: a step reads them "
-                                                   "once for the whole batch — that is why batching pays",
-                        weight_bytes + heads_kv: "the cache was counted per query head: keys and values are stored "
-                                                 "per key-value head (num_kv_heads)",
-                        weight_bytes + kv // element: "the cache was counted at one byte per number: use the "
-                                                      f"element size of kv_dtype ({element} for {kv_dtype})",
-                        weight_bytes + kv // element * 4: "the cache was counted in float32 whatever its dtype: "
-                                                          f"use the element size of kv_dtype ({element} for {kv_dtype})",
-                        weight_bytes + kv // 2: "only the keys (or only the values) were counted: both are cached",
-                    }
+                    named = bytes_diagnoses(want_bytes, weight_bytes, kv, heads_kv, element, batch, kv_dtype)
                     fail("9.1", f"{cost.bytes:,} bytes {where}, {kv_dtype}; expected {want_bytes:,} = the weights "
                                 f"({weight_bytes:,}) + the caches ({kv:,})"
                                 + (f": {named[cost.bytes]}" if cost.bytes in named else ""))
