@@ -44,7 +44,6 @@ verify_committed_stages(before="09")
 
 # %%
 import math
-import time
 
 import matplotlib.pyplot as plt
 import torch
@@ -127,7 +126,7 @@ def matmul_throughput(dtype: torch.dtype, size: int = 2048, repeats: int = 5) ->
 
 # %%
 # NBVAL_IGNORE_OUTPUT
-from aie_lessons.ceilings import copy_bandwidth, matmul_throughput
+from aie_lessons.ceilings import best_seconds, copy_bandwidth, matmul_throughput
 
 read_bytes_per_s, _ = read_bandwidth()
 ceilings = {"read": read_bytes_per_s, "copy": copy_bandwidth()}
@@ -340,13 +339,8 @@ def decode_step_seconds(variant: LlamaModel, batch: int, context: int, kv_dtype:
     ids = torch.randint(0, config.vocab_size, (batch, 1))
     positions = torch.full((batch, 1), context - 1)
     cache = KVCache(config, batch, context, dtype=kv_dtype)
-    seconds = []
     with torch.inference_mode():
-        for _ in range(6):
-            start = time.perf_counter()
-            variant(ids, positions, cache=cache, cache_start=context - 1)
-            seconds.append(time.perf_counter() - start)
-    return min(seconds[1:])
+        return best_seconds(lambda: variant(ids, positions, cache=cache, cache_start=context - 1), repeats=5)
 
 
 measured_batches = [1, 2, 4, 8, 16, 32, 64]
