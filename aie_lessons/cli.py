@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
 if TYPE_CHECKING:  # names for annotations only: see is_course_error for why nothing is imported up front
+    from aie_lessons.fast_decode import FastDecoder
     from aie_lessons.model import LlamaModel
     from aie_lessons.output import GenerationResult
     from aie_lessons.sampling import SamplingParams
@@ -115,17 +116,53 @@ def _prompts(args: argparse.Namespace) -> list[str]:
     return prompts
 
 
+def _compiled_loop_refusal(args: argparse.Namespace) -> tuple[str, str] | None:
+    """Why stage 09's compiled decoder cannot run this request, as (reason, message with the fix),
+    or None when it can. Reasons: activations, quant-device, quant, compiler."""
+    import torch
+
+    from aie_lessons.quantize import SCHEMES, INT4_KERNEL_GROUP_SIZES
+
+    if args.activations != "float32":
+        return "activations", "--loop compiled computes in float32: drop --activations bfloat16"
+    on_cpu = torch.device(args.device).type == "cpu"
+    if args.quant and not on_cpu:
+        return "quant-device", ("--loop compiled reads quantized weights through PyTorch's CPU kernels: drop "
+                                f"--device {args.device}, or --quant")
+    scheme = SCHEMES[args.quant] if args.quant else None
+    if scheme and scheme.bits == 4 and scheme.group_size not in INT4_KERNEL_GROUP_SIZES:
+        return "quant", (f"--loop compiled reads quantized weights through PyTorch's int4 kernel, which takes no "
+                         f"{args.quant}. Fix: --quant int4-g64 or int4-g32, or --loop cached")
+    if on_cpu:
+        from aie_lessons.infra.compile_cache import cpp_compiler
+
+        if cpp_compiler() is None:
+            return "compiler", ("--loop compiled needs a C++ compiler for torch.compile, and none was found. Fix: "
+                                "install one (g++ or clang++), or use --loop cached")
+    return None
+
+
 def _loop(args: argparse.Namespace, count: int) -> str:
-    """The generate loop to run: the engine for several prompts, stage 04's cached loop for one."""
-    loop = args.loop or ("engine" if count > 1 else "cached")
-    if count > 1 and loop != "engine":
-        raise UsageError(f"--loop {loop} runs one prompt; {count} prompts run through the engine. Fix: "
+    """The generate loop to run: the engine for several prompts; for one, stage 09's compiled
+    decoder where it can run and pays (the CPU, more than one decode step), else stage 04's
+    cached loop."""
+    import torch
+
+    if count > 1 and args.loop not in (None, "engine"):
+        raise UsageError(f"--loop {args.loop} runs one prompt; {count} prompts run through the engine. Fix: "
                          "drop --loop, or use --loop engine")
-    if loop == "compiled" and args.activations != "float32":
-        raise UsageError("--loop compiled computes in float32: drop --activations bfloat16")
-    if loop == "compiled" and args.quant:
-        raise UsageError("--loop compiled fuses float weights and cannot read quantized ones: drop --quant, "
-                         "or use the engine or the cached loop")
+    loop = args.loop or ("engine" if count > 1 else None)
+    if loop == "compiled":
+        refusal = _compiled_loop_refusal(args)
+        if refusal:
+            raise UsageError(refusal[1])
+    elif loop is None:
+        worth_it = torch.device(args.device).type == "cpu" and args.max_new_tokens > 1  # else nothing to compile for
+        refusal = _compiled_loop_refusal(args) if worth_it else None
+        if refusal and refusal[0] == "compiler":  # the one fallback a user may not expect: say it
+            print("aie generate: note: no C++ compiler, so the eager cached loop runs (install g++ for "
+                  "the compiled decoder)", file=sys.stderr)
+        loop = "compiled" if worth_it and not refusal else "cached"
     if args.quant_head and not args.quant:
         raise UsageError("--quant-head quantizes the output head with the scheme of --quant. Fix: add "
                          "--quant SCHEME")
@@ -263,6 +300,43 @@ def _run_engine(args: argparse.Namespace, model: LlamaModel, tokenizer: Tokenize
           f"{engine.config.token_budget} tokens per step, {memory})", file=sys.stderr)
 
 
+def _compiled_decoder(args: argparse.Namespace, model: LlamaModel, params: SamplingParams,
+                      folder: Path) -> FastDecoder | None:
+    """Stage 09's decoder for ``model`` (quantized or not), compiled before the request into
+    inductor's cache ``folder``, so that later runs load instead of compiling. None, with a
+    note, when it cannot be built and the compiled loop was only the default; refused when it
+    was asked for."""
+    import time
+
+    import torch
+
+    from aie_lessons.fast_decode import FastDecoder, QuantizedFastDecoder
+    from aie_lessons.infra.compile_cache import compiled_marker
+    from aie_lessons.quantize import QuantizedLinear
+
+    schemes = sorted({m.scheme.name for m in model.modules() if isinstance(m, QuantizedLinear)})
+    key = f"{torch.__version__}|{model.config}|{model.embed_tokens.weight.dtype}|{schemes}|{params.plain_greedy}"
+    marker = compiled_marker(folder, key)
+    start = time.perf_counter()
+    try:
+        decoder = (QuantizedFastDecoder if schemes else FastDecoder)(model)
+        print("aie generate: " + ("loading the compiled decoder" if marker.exists() else
+                                  "compiling the decoder for this model on this machine (once: about a minute)")
+              + f"; cache {folder} ...", end="", file=sys.stderr, flush=True)
+        decoder.warm_up(params)
+    except (ValueError, torch._dynamo.exc.BackendCompilerFailed) as exc:
+        why = str(exc).strip().splitlines()[0]  # dynamo appends paragraphs of advice for PyTorch's developers
+        if args.loop == "compiled":
+            raise UsageError(f"--loop compiled: {why}") from exc
+        print(f"\naie generate: note: the compiled decoder cannot run here, so the cached loop runs: {why}",
+              file=sys.stderr)
+        return None
+    print(f" ready in {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
+    marker.parent.mkdir(parents=True, exist_ok=True)
+    marker.touch()
+    return decoder
+
+
 def _generate(args: argparse.Namespace) -> int:
     import torch
 
@@ -274,6 +348,9 @@ def _generate(args: argparse.Namespace) -> int:
         loop = "skeleton" if args.no_cache else "compiled"
         raise UsageError(f"--no-cache and --compile are now --loop skeleton and "
                          f"--loop compiled. Fix: use --loop {loop}")
+    from aie_lessons.infra.compile_cache import use_compile_cache
+
+    compile_folder = use_compile_cache()  # before anything imports inductor, which settles its folder
     check_device(args.device)
     prompts = _prompts(args)
     loop = _loop(args, len(prompts))
@@ -294,15 +371,19 @@ def _generate(args: argparse.Namespace) -> int:
         return 0
     prompt_ids = encode(prompts[0])
     on_text = None if args.json else _write
+    decoder = None
+    if loop == "compiled":  # stage 09: fused weights, compiled decode step
+        from aie_lessons.generate import check_prompt
+
+        check_prompt(prompt_ids, params, model.config)  # a prompt that does not fit waits for no compiler
+        decoder = _compiled_decoder(args, model, params, compile_folder)
     if loop == "skeleton":  # stage 01: recomputes the whole sequence every step
         from aie_lessons.generate import generate
 
         result = generate(model, tokenizer, prompt_ids, params, on_text=on_text)
-    elif loop == "compiled":  # stage 04: fused weights, compiled decode step
-        from aie_lessons.fast_decode import FastDecoder
-
-        result = FastDecoder(model).generate(tokenizer, prompt_ids, params, on_text=on_text)
-    else:  # stage 04: prefill once, then one cached step per token
+    elif decoder is not None:
+        result = decoder.generate(tokenizer, prompt_ids, params, on_text=on_text)
+    else:  # stage 04: prefill once, then one cached step per token (also the compiled loop's fallback)
         from aie_lessons.cached_generate import generate_cached
 
         result = generate_cached(model, tokenizer, [prompt_ids], params,
@@ -420,9 +501,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="print one JSON object per prompt (one per line, in prompt order) at the end")
     gen.add_argument("--loop", choices=["skeleton", "cached", "compiled", "engine"],
                      help="skeleton: stage 01, no KV cache (slow, for comparison); cached: stage 04's "
-                          "KV cache (the default for one prompt); compiled: stage 04's fused, compiled "
-                          "decoder (compiles first: seconds); engine: continuous batching (stages 06–07) "
-                          "(the default, and the only loop, for several prompts)")
+                          "KV cache; compiled: stage 09's compiled decoder, the default for one prompt where "
+                          "it can run (CPU, float32 activations, a C++ compiler; the first run compiles, "
+                          "later ones load data/cache/inductor); engine: continuous batching (stages "
+                          "06–07) (the default, and the only loop, for several prompts)")
     gen.add_argument("--max-seqs", type=int, default=DEFAULT_MAX_SEQS, metavar="N",
                      help=f"engine: requests running at once (default {DEFAULT_MAX_SEQS})")
     gen.add_argument("--token-budget", type=int, default=DEFAULT_TOKEN_BUDGET, metavar="N",

@@ -24,9 +24,9 @@ def read_bandwidth(
 
     A decode step reads weights and cache and writes almost nothing, so the probe only reads
     (a copy would also time the writes, and make the roofline look lower than it is). It reads a
-    buffer far larger than any CPU cache in the two ways a decode step does: a sum, like the
-    compiled step's loops, and a matrix–vector product, like the eager model's BLAS calls. Each
-    pass keeps the faster of the two, because neither reads at full speed on every CPU.
+    buffer far larger than any CPU cache in the two ways a decode step does: a sum, like stage
+    09's compiled step's loops, and a matrix–vector product, like the eager model's BLAS calls.
+    Each pass keeps the faster of the two, because neither reads at full speed on every CPU.
 
     Without ``buffer`` it allocates ``megabytes`` and does not count its first pass, which may
     fault the pages in. A caller that probes again and again (``benchmarks/decode.py``, between

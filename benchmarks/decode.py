@@ -1,7 +1,8 @@
-"""Batch-1 greedy decode speed: our engine (fp32, bf16) vs transformers vs the memory roofline.
+"""Batch-1 greedy decode speed: our engine vs transformers, llama.cpp and the memory roofline.
 
-"Ours" is stage 04's ``FastDecoder`` (fused weights, compiled step); stage 04's plain
-``generate_cached`` is shown too, for the size of the step. Decoding one token reads every
+"Ours" is stage 09's ``FastDecoder`` (fused weights, compiled step) in fp32 and bf16, and its
+``QuantizedFastDecoder`` in int8 and int4 (groups of 32); stage 04's plain ``generate_cached``
+is shown too, for the size of the step. Decoding one token reads every
 weight once and the cache, so the roofline is read bandwidth / bytes per token, both as the
 notebooks define them: ``aie_lessons.roofline``'s ``read_bandwidth`` and
 ``decode_bytes_per_token``.
@@ -17,6 +18,14 @@ is shown. Each round has two parts:
   same position. These two ratios are judged on the steps: whole requests see the bandwidth
   move under them, and their ratios wander with it.
 
+llama.cpp (through ``llama-cpp-python``: ``pip install -e ".[bench]"``, which builds it from
+source in a few minutes) is what a user would pick instead. It reads the course's own GGUF file
+(the Q4_1 file our checkpoint is converted from), requantized once by llama.cpp's own quantize
+API to F32, BF16, Q8_0 and Q4_0 in ``data/cache/llama.cpp/``: both engines decode the same
+weights. Each of our decoders and its llama.cpp counterpart take turns, one whole request each,
+with the same number of threads, and each ratio is the median over rounds. Without the package
+that part is skipped, saying how to install it.
+
     .venv/bin/python benchmarks/decode.py [--tokens 128] [--rounds 5]
 """
 
@@ -26,25 +35,32 @@ import argparse
 import statistics
 import time
 import warnings
+from pathlib import Path
 from typing import Iterator
 
 import torch
 
 from aie_lessons.cached_generate import generate_cached
-from aie_lessons.fast_decode import FastDecoder, huge_page_empty
+from aie_lessons.fast_decode import FastDecoder, QuantizedFastDecoder, huge_page_empty
 from aie_lessons.sampling import SamplingParams
 from aie_lessons.model import LlamaModel
-from aie_lessons.infra.paths import default_model_dir
+from aie_lessons.infra.paths import CACHE_DIR, default_model_dir
+from aie_lessons.quantize import quantize_model
 from aie_lessons.roofline import decode_bytes_per_token, read_bandwidth
 from aie_lessons.tokenizer import Tokenizer
 
 PROMPT = "Write a long story about a lighthouse keeper and the sea."
 PROBE_BYTES = 256 * 2**20  # eight times the course machine's last-level cache
-TARGETS = {  # from the course's decode-speed issue, judged as the docstring says
+TARGETS = {  # from the course's decode-speed issues, judged as the docstring says
     "ours fp32 / transformers fp32": 2.5,
     "ours fp32 / fp32 roofline": 0.75,
     "ours bf16 / ours fp32": 1.6,
+    "ours fp32 / llama.cpp F32": 1.0,
+    "ours bf16 / llama.cpp BF16": 1.0,
+    "ours int8 / llama.cpp Q8_0": 0.8,
+    "ours int4-g32 / llama.cpp Q4_0": 0.6,
 }
+LLAMA_CPP_TYPES = ("F32", "BF16", "Q8_0", "Q4_0")  # llama.cpp's names; LLAMA_FTYPE_ALL_F32, _MOSTLY_BF16, ...
 
 
 class ReadProbe:
@@ -122,6 +138,80 @@ def interleaved_steps(fast_fp32: FastDecoder, fast_bf16: FastDecoder, prompt_ids
     return roofline_ratios, bf16_ratios
 
 
+def llama_cpp_files(source: Path, folder: Path) -> dict[str, Path]:
+    """The course's GGUF requantized by llama.cpp to each of LLAMA_CPP_TYPES, made once."""
+    import llama_cpp
+
+    folder.mkdir(parents=True, exist_ok=True)
+    files = {}
+    for name in LLAMA_CPP_TYPES:
+        target = folder / f"{source.stem}.{name}.gguf"
+        if not target.exists():
+            print(f"llama.cpp: requantizing {source.name} to {name} (once) ...", flush=True)
+            params = llama_cpp.llama_model_quantize_default_params()
+            params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_{'ALL' if name == 'F32' else 'MOSTLY'}_{name}")
+            params.allow_requantize = True  # the source is Q4_1: dequantized, then stored as asked
+            params.nthread = torch.get_num_threads()
+            scratch = target.with_suffix(".partial")
+            if llama_cpp.llama_model_quantize(str(source).encode(), str(scratch).encode(), params) != 0:
+                raise SystemExit(f"llama.cpp could not quantize {source} to {name}")
+            scratch.rename(target)
+        files[name] = target
+    return files
+
+
+def llama_cpp_speed(llm, prompt_ids: list[int], tokens: int) -> tuple[float, list[int]]:
+    """Decode tokens/s of one greedy request through llama.cpp, and its tokens. Its generator,
+    like ours, evaluates the prompt on the first ``next()`` and one token on each later one."""
+    llm.reset()
+    steps = llm.generate(prompt_ids, temp=0.0, top_k=1, top_p=1.0, min_p=0.0, repeat_penalty=1.0)
+    chosen = [next(steps)]  # the prefill
+    start = time.perf_counter()
+    while len(chosen) < tokens:
+        chosen.append(next(steps))
+    return (tokens - 1) / (time.perf_counter() - start), chosen
+
+
+def compare_with_llama_cpp(ours: dict[str, FastDecoder], tokenizer: Tokenizer, prompt_ids: list[int],
+                           tokens: int, rounds: int) -> list[tuple[str, float]]:
+    """(ratio name, median over rounds) of each of our decoders against llama.cpp on the same
+    weights, taking turns; [] with a note when llama-cpp-python is not installed."""
+    try:
+        from llama_cpp import Llama
+    except ImportError:
+        print('\nllama.cpp: skipped, llama-cpp-python is not installed. Fix: .venv/bin/pip install -e ".[bench]"')
+        return []
+    from aie_lessons.infra.model_files import GGUF_MEMBER
+
+    files = llama_cpp_files(CACHE_DIR / Path(GGUF_MEMBER).name, CACHE_DIR / "llama.cpp")
+    threads = torch.get_num_threads()
+    pairs = dict(zip(ours, LLAMA_CPP_TYPES))  # fp32: F32, bf16: BF16, int8: Q8_0, int4-g32: Q4_0
+    speeds: dict[str, list[float]] = {name: [] for name in [*ours, *LLAMA_CPP_TYPES]}
+    params = SamplingParams(max_new_tokens=tokens, ignore_eos=True)
+    for round_ in range(rounds):
+        for name, decoder in ours.items():
+            theirs = pairs[name]
+            llm = Llama(str(files[theirs]), n_ctx=len(prompt_ids) + tokens + 8, n_threads=threads,
+                        n_threads_batch=threads, verbose=False)
+            llama_cpp_speed(llm, prompt_ids, 8)  # warm-up: pages the weights in
+            speeds[name].append(decode_speed(lambda p: decoder.generate(tokenizer, prompt_ids, p), tokens))
+            speed, chosen = llama_cpp_speed(llm, prompt_ids, tokens)
+            speeds[theirs].append(speed)
+            if round_ == 0:
+                same = next((i for i, (a, b) in enumerate(zip(chosen, decoder.generate(tokenizer, prompt_ids, params)
+                                                                 .token_ids)) if a != b), tokens)
+                print(f"llama.cpp {theirs} ({files[theirs].stat().st_size / 1e6:.0f} MB file) and ours {name}: "
+                      f"the first {same} of {tokens} greedy tokens agree", flush=True)
+            del llm
+        print(f"llama.cpp round {round_ + 1}: " + ", ".join(f"{n} {s[-1]:.1f}" for n, s in speeds.items()) + " tok/s",
+              flush=True)
+    print(f"\n{'system (whole requests)':<24} {'tok/s (median)':>15}   ({threads} threads each)")
+    for name, values in speeds.items():
+        print(f"{('ours ' if name in ours else 'llama.cpp ') + name:<24} {statistics.median(values):>15.1f}")
+    return [(f"ours {name} / llama.cpp {theirs}",
+             statistics.median(a / b for a, b in zip(speeds[name], speeds[theirs]))) for name, theirs in pairs.items()]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, default=128)
@@ -137,10 +227,14 @@ def main() -> None:
     bf16 = LlamaModel.from_pretrained(model_dir, dtype=torch.bfloat16)
     hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     fast_fp32, fast_bf16 = FastDecoder(fp32), FastDecoder(bf16)
+    quantized = {scheme: QuantizedFastDecoder(quantize_model(LlamaModel.from_pretrained(model_dir, dtype=torch.bfloat16),
+                                                             scheme)) for scheme in ("int8", "int4-g32")}
     systems = {
         "ours fp32": lambda p: fast_fp32.generate(tokenizer, prompt_ids, p),
         "ours bf16": lambda p: fast_bf16.generate(tokenizer, prompt_ids, p),
         "generate_cached fp32": lambda p: generate_cached(fp32, tokenizer, [prompt_ids], p)[0],
+        **{f"ours {scheme}": (lambda p, d=decoder: d.generate(tokenizer, prompt_ids, p))
+           for scheme, decoder in quantized.items()},
     }
     print("compiling the fast decoders (not timed) ...", flush=True)
     start = time.perf_counter()
@@ -197,6 +291,9 @@ def main() -> None:
         ("ours bf16 / ours fp32", whole, per_round(speeds["ours bf16"], speeds["ours fp32"]), False),
         ("ours fp32 / generate_cached fp32", whole, per_round(speeds["ours fp32"], speeds["generate_cached fp32"]), False),
     ]
+    llama_rows = compare_with_llama_cpp({"fp32": fast_fp32, "bf16": fast_bf16, **quantized}, tokenizer, prompt_ids,
+                                        args.tokens, args.rounds)
+    rows += [(name, "whole requests", value, True) for name, value in llama_rows]
     print(f"\n{'ratio (median)':<34} {'measured over':<15} {'value':>6} {'target':>7}")
     for name, how, value, judged in rows:
         target = TARGETS.get(name) if judged else None

@@ -41,11 +41,11 @@ import torch
 
 from aie_lessons import checks
 from aie_lessons.config import ModelConfig
-from aie_lessons.generate import check_prompt, collect, generate, open_streams, run_batch
+from aie_lessons.generate import generate, run_batch
 from aie_lessons.output import GenerationResult
 from aie_lessons.sampling import SamplingParams, greedy_step, make_generator, sample_next
 from aie_lessons.masks import attention_mask
-from aie_lessons.model import LlamaModel, rms_norm, rope_cos_sin
+from aie_lessons.model import LlamaModel
 from aie_lessons.padded_batch import generate_batch, left_pad
 from aie_lessons.infra.paths import default_model_dir
 from aie_lessons.tokenizer import Tokenizer
@@ -482,9 +482,9 @@ def read_bandwidth(
 
     A decode step reads weights and cache and writes almost nothing, so the probe only reads
     (a copy would also time the writes, and make the roofline look lower than it is). It reads a
-    buffer far larger than any CPU cache in the two ways a decode step does: a sum, like the
-    compiled step's loops, and a matrix–vector product, like the eager model's BLAS calls. Each
-    pass keeps the faster of the two, because neither reads at full speed on every CPU.
+    buffer far larger than any CPU cache in the two ways a decode step does: a sum, like stage
+    09's compiled step's loops, and a matrix–vector product, like the eager model's BLAS calls.
+    Each pass keeps the faster of the two, because neither reads at full speed on every CPU.
 
     Without ``buffer`` it allocates ``megabytes`` and does not count its first pass, which may
     fault the pages in. A caller that probes again and again (``benchmarks/decode.py``, between
@@ -623,7 +623,7 @@ roofline_chart(eager_points, "Decode speed against the memory roofline")
 # of the bytes into speed: its `Linear` converts weight blocks to fp32 as it goes, and its
 # attention converts the whole bf16 cache to fp32 at every step (stage 01's model, for fp32
 # activations) — work that the roofline does not count. The next section finds out where an
-# eager step's time goes, and how to read the bytes faster.
+# eager step's time goes; stage 09 how to read the bytes faster.
 #
 # ## 6. Where a decode step's time goes
 #
@@ -659,502 +659,15 @@ print(events.table(sort_by="self_cpu_time_total", row_limit=8))
 # %% [markdown]
 # The two lines printed above the table say where this step's time went: the matrix products
 # (`aten::mm`, one per weight matrix), the rate at which they streamed their weights — compare
-# it with the read bandwidth that section 5 measured — and thousands of small operator calls
+# it with the read bandwidth that section 5 measured — and many small operator calls
 # (norms, RoPE, views, the cache write), a few microseconds each for almost no arithmetic. (The
 # profiler adds a little to every call, so the small ones look somewhat slower than they are.)
-# Five changes attack both:
 #
-# 1. **Fuse the weights** that read the same input: q, k and v become one matrix, gate and up
-#    another (their shapes are printed after the decoder). Fewer, larger passes over memory
-#    (point 4 shows how they become one matrix without copying: no weight is stored twice).
-# 2. **Write the matrix–vector product as what it is**, `(W * x).sum(-1)` — and attention
-#    for one query the same way — and let `torch.compile` turn each layer into a handful of
-#    loops of generated C++: every weight streamed once, vectorised, on every core, with the
-#    RMSNorm, RoPE, cache write and residual adds fused into those loops instead of
-#    dispatched one by one.
-# 3. **Keep the activations in fp32.** A token's activations are a few kilobytes; the weights
-#    are hundreds of megabytes. With bf16 weights, only the weights need to be bf16 to halve
-#    the bytes; fp32 activations spare the inner loop conversions and roundings (llama.cpp
-#    does the same), and keep bf16 decoding closer to fp32 than the plain bf16 model
-#    (section 7 measures how much closer).
-# 4. **Lay the weights out for streaming.** Every matrix a step reads moves into one block of
-#    memory, in the order the step reads it — so q/k/v and gate/up are each one matrix
-#    without a copy — and on Linux that block asks for 2 MB "huge" pages instead of 4 KB
-#    ones. Every address the CPU reads is translated through the TLB, a small cache of
-#    page-table entries. Streaming the weights in 4 KB pages misses it at every new page —
-#    how many pages a step crosses is printed after the decoder — and each miss walks the
-#    page tables (twice over in a virtual machine) while the hardware prefetcher, which stops
-#    at page edges, waits. Same bytes, same loops, a fraction of the misses.
-# 5. **Keep the loops lean and the calls few.** Inductor inlines cheap elementwise work into
-#    the loops that read it, which is usually right — but an RMSNorm feeding a matrix–vector
-#    product would then be redone for every row of the matrix. What a compiled function
-#    *returns* is always stored, once, so the step returns the normalized vectors it feeds
-#    to the products (`Stored`), and the inner loop only loads and multiplies. RoPE is
-#    written as a flip rather than a concatenation for a like reason: one loop, not one per
-#    half. And each compiled call from Python has a fixed cost, paid while the memory
-#    idles, so one call runs several layers (printed after the decoder). Each of these is
-#    small beside an fp32 step; a bf16 step is half as long while these costs stay, so there
-#    they weigh twice as much.
-#
-# Plus the usual hygiene: RoPE angles from a table computed once per request, the cache
-# written in place, and the step returns the next token's id, not a whole vocabulary of
-# logits.
-#
-# The fast path decodes a single sequence (the latency case; stage 06 batches). Prefill still
-# runs the ordinary model: it is one big matrix–matrix pass, already efficient.
-
-# %%
-# export: fast_decode
-"""Batch-1 greedy decoding near the memory roofline: fused weights and a compiled step."""
-
-from __future__ import annotations
-
-import mmap
-from dataclasses import dataclass
-from typing import Any, Callable, Iterator
-
-import torch
-import torch.nn.functional as F
-
-
-def gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x (K,) fp32 times weight (N, K) transposed -> (N,) fp32: a decode step's only matmul.
-
-    Under ``torch.compile`` it is spelled as an elementwise product and a row sum, which
-    inductor compiles into one vectorised, multi-threaded loop that reads each weight once —
-    converting bf16 weights to fp32 on the fly — and fuses whatever elementwise work produced
-    ``x`` into the same loop. Run eagerly it is ``F.linear``, a BLAS call, doing the same
-    arithmetic (a bf16 weight is first copied to fp32: slow, but this path is for comparison).
-    """
-    if torch.compiler.is_compiling():
-        return (weight.float() * x).sum(-1)
-    return F.linear(x, weight.float())
-
-
-MatVec = Callable[[torch.Tensor, Any], torch.Tensor]
-"""``matvec(x, weight)``: x (K,) fp32 times one packed matrix -> (N,) fp32. ``gemv`` for plain
-tensors; a quantized decoder (stage 08) packs its matrices differently and brings its own."""
-
-
-@dataclass
-class LayerWeights:
-    """One decoder layer's weights, projections that share an input stacked into one matrix.
-
-    The four matrices are whatever the decoder's ``pack`` made of them and its ``matvec``
-    reads: plain tensors here, (codes, scales) pairs in a quantized decoder.
-    """
-
-    qkv: Any  # (Hq·D + 2·Hkv·D, hidden)
-    o: Any  # (hidden, Hq·D)
-    gate_up: Any  # (2·intermediate, hidden)
-    down: Any  # (hidden, intermediate)
-    input_norm: torch.Tensor  # (hidden,) fp32
-    post_norm: torch.Tensor  # (hidden,) fp32
-
-    def tensors(self) -> tuple[Any, ...]:
-        """The fields in ``decode_layer``'s argument order, from ``qkv`` on."""
-        return self.qkv, self.o, self.gate_up, self.down, self.input_norm, self.post_norm
-
-
-HUGE_PAGE = 2 * 2**20  # bytes in one x86-64 / arm64 huge page
-
-
-def huge_page_empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
-    """An uninitialised 1-D CPU tensor in memory that Linux is asked to back with 2 MB pages.
-
-    Streamed weights then miss the TLB 512 times less often (section 6, point 4). This is
-    the transparent-huge-page request (``madvise``); where it does not exist (macOS,
-    Windows) or the system declines it, the memory is ordinary and only the speed differs.
-    """
-    nbytes = numel * torch.empty(0, dtype=dtype).element_size()
-    if not hasattr(mmap, "MADV_HUGEPAGE"):
-        return torch.empty(numel, dtype=dtype)
-    block = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    block.madvise(mmap.MADV_HUGEPAGE)
-    raw = torch.frombuffer(block, dtype=torch.uint8)  # the tensor keeps the mapping alive
-    start = -raw.data_ptr() % HUGE_PAGE  # huge pages need 2 MB-aligned addresses
-    return raw[start:start + nbytes].view(dtype)
-
-
-def decode_groups(model: LlamaModel) -> list[list[torch.Tensor]]:
-    """Every matrix a decode step reads, in the order it reads them, grouped by shared input.
-
-    Per layer: [q, k, v], [o], [gate, up], [down]; then [the output head]. A group is read as
-    one stacked matrix: three (or two) passes over memory become one.
-    """
-    groups = []
-    for layer in model.layers:
-        attn, mlp = layer.self_attn, layer.mlp
-        groups += [[attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight], [attn.o_proj.weight],
-                   [mlp.gate_proj.weight, mlp.up_proj.weight], [mlp.down_proj.weight]]
-    return [[w.detach() for w in group] for group in groups + [[model.lm_head.weight]]]
-
-
-def pack_weights(model: LlamaModel) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """Copy every matrix a decode step reads into one block, in reading order.
-
-    Returns the block and one matrix per ``decode_groups`` group, each a view of the block.
-    On CPU the block is in huge pages (``huge_page_empty``). The model is left untouched — its
-    own weights keep serving the prefill — at the price of a second copy of the weights in
-    memory (538 MB in fp32, measured in the cell after the decoder): a decoder that re-pointed
-    the model's parameters into its block instead would change an object it was only lent.
-    """
-    groups = decode_groups(model)
-    total = sum(w.numel() for group in groups for w in group)
-    first = groups[0][0]
-    block = (huge_page_empty(total, first.dtype) if first.device.type == "cpu"
-             else torch.empty(total, dtype=first.dtype, device=first.device))
-    matrices, offset = [], 0
-    for group in groups:
-        rows, cols = sum(w.shape[0] for w in group), group[0].shape[1]
-        matrix = block[offset:offset + rows * cols].view(rows, cols)
-        torch.cat(group, out=matrix)
-        matrices.append(matrix)
-        offset += rows * cols
-    return block, matrices
-
-
-LayerInputs = tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...]]  # keys, values, weights
-
-
-def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-    """One query per head against T cached positions: q (Hq, D), keys/values (Hkv, T, D) -> (Hq, D).
-
-    Written with broadcasts and sums, like ``gemv``, so that inside the compiled step it
-    becomes a few more generated loops rather than a call into a separate attention kernel
-    whose fixed cost dwarfs the work at a single query. The Hq / Hkv query heads that share
-    a key/value head are grouped next to it (grouped-query attention, as in stage 02). The
-    softmax is spelled out too: every cached position is real, so none of ``softmax``'s care
-    for rows that are all −inf is needed, and its loops are fewer.
-    """
-    num_kv_heads, _, head_dim = keys.shape
-    q = q.view(num_kv_heads, -1, 1, head_dim)  # (Hkv, group, 1, D)
-    scores = (q * keys[:, None].float()).sum(-1) * head_dim**-0.5  # (Hkv, group, T)
-    weights = (scores - scores.amax(dim=-1, keepdim=True)).exp()
-    probs = weights / weights.sum(dim=-1, keepdim=True)
-    out = (probs[..., None] * values[:, None].float()).sum(-2)  # (Hkv, group, D)
-    return out.reshape(-1, head_dim)
-
-
-Stored = tuple[torch.Tensor, ...]
-"""Vectors a compiled step returns only so that inductor stores them once instead of redoing
-them for every row of a matrix–vector product (section 6, point 5); callers ignore them."""
-
-
-def rope_one_token(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Stage 02's ``apply_rope`` for one position: x (H, D) fp32, cos/sin (D,) -> (H, D).
-
-    The same rotation — coordinates i and i + D/2 turned together — but the half swap is a
-    flip of the (H, 2, D/2) view times (−1, +1), where ``rotate_half`` concatenates: inductor
-    writes each piece of a ``torch.cat`` in a loop of its own (with a wait after each), while a
-    flip is only index arithmetic inside one loop. About 2% of the compiled step.
-    """
-    pairs = x.view(x.shape[0], 2, -1)
-    sign = torch.tensor([-1.0, 1.0], device=x.device).view(1, 2, 1)
-    return x * cos + (pairs.flip(1) * sign).view(x.shape) * sin
-
-
-def decode_layer(
-    x: torch.Tensor,
-    t: int,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    eps: float,
-    matvec: MatVec,
-    qkv: Any,
-    o: Any,
-    gate_up: Any,
-    down: Any,
-    input_norm: torch.Tensor,
-    post_norm: torch.Tensor,
-) -> tuple[torch.Tensor, Stored]:
-    """One decoder layer for one new token at position ``t``: x after the layer, and ``Stored``.
-
-    x (hidden,) fp32; cos/sin (max_len, D) RoPE tables; keys/values (Hkv, max_len, D) this
-    layer's cache, whose row ``t`` is written here, in place. Everything is looked up *inside*
-    the function (``cos[t]``, ``narrow``), so after its first two calls ``torch.compile``
-    treats ``t`` as a symbol and never recompiles; sizes come from the tensors' shapes, so one
-    compiled function serves every layer. The matrices are only ever handed to ``matvec``.
-    """
-    head_dim = cos.shape[-1]
-    kv_size = keys.shape[0] * head_dim
-    normed = rms_norm(x, input_norm, eps)
-    projected = matvec(normed, qkv)
-    q, k, v = projected.split([projected.shape[0] - 2 * kv_size, kv_size, kv_size])
-    cos, sin = cos[t], sin[t]
-    q = rope_one_token(q.view(-1, head_dim), cos, sin)  # (Hq, D)
-    k = rope_one_token(k.view(-1, head_dim), cos, sin)
-    keys.narrow(1, t, 1).copy_(k.view(-1, 1, head_dim))
-    values.narrow(1, t, 1).copy_(v.view(-1, 1, head_dim))
-    attended = decode_attention(q, keys.narrow(1, 0, t + 1), values.narrow(1, 0, t + 1))
-    x = x + matvec(attended.reshape(-1), o)
-    normed_mid = rms_norm(x, post_norm, eps)
-    gate, up = matvec(normed_mid, gate_up).chunk(2)
-    return x + matvec(F.silu(gate) * up, down), (normed, normed_mid)
-
-
-def decode_head(
-    x: torch.Tensor, norm: torch.Tensor, eps: float, head: Any, matvec: MatVec, greedy: bool
-) -> tuple[torch.Tensor, Stored]:
-    """Final norm and output head: the greedy next token (0-d) if ``greedy``, else the logits.
-
-    Greedy decoding fuses the argmax in, so the 49152 logits never leave the compiled code.
-    """
-    normed = rms_norm(x, norm, eps)
-    logits = matvec(normed, head)
-    return (logits.argmax() if greedy else logits), (normed,)
-
-
-def decode_layers(
-    x: torch.Tensor, t: int, cos: torch.Tensor, sin: torch.Tensor, eps: float, matvec: MatVec,
-    layers: list[LayerInputs],
-) -> tuple[torch.Tensor, Stored]:
-    """``decode_layer`` over a few consecutive layers in one call: x after them, and ``Stored``.
-
-    Every compiled call costs some 25 µs of Python — dynamo's guards, the wrapper, allocating
-    outputs — while the memory sits idle, so fewer, larger calls pay, most of all in bf16,
-    whose step is shorter. Compile time grows with the layers per call (the compiler unrolls
-    the loop), which is why not all thirty.
-    """
-    stored: Stored = ()
-    for keys, values, weights in layers:
-        x, more = decode_layer(x, t, cos, sin, keys, values, eps, matvec, *weights)
-        stored += more
-    return x, stored
-
-
-class FastDecoder:
-    """Batch-1 generation: the ordinary model for the prefill, a fused step to decode.
-
-    With ``compile=True`` (the point of it) the first request compiles ``decode_layers`` and
-    ``decode_head`` with ``torch.compile``: about twenty seconds per dtype on the course
-    machine, and a C++ compiler on CPU. ``compile=False`` runs the same fused step eagerly.
-    ``layers_per_call`` trades that compile time for speed: on the course machine five made
-    the bf16 step 6% faster than one. Building a decoder copies the model's weights into one
-    block in reading order (``pack_weights``); the model itself is not changed.
-
-    Two methods are meant to be overridden, so that a later stage can decode with other
-    weights without editing this one: ``pack`` (how the matrices are stored) and ``matvec``
-    (how a vector is multiplied by one of them).
-    """
-
-    def __init__(self, model: LlamaModel, compile: bool = True, layers_per_call: int = 5):
-        if layers_per_call < 1:
-            raise ValueError(f"layers_per_call must be at least 1, got {layers_per_call}")
-        if model.activations != torch.float32:
-            raise ValueError(f"the fused step computes in fp32, but this model's activations are "
-                             f"{model.activations}: its prefill would differ from its decode. Fix: "
-                             "load the model with activations=torch.float32 (the default)")
-        self.layers_per_call = layers_per_call
-        self.model = model
-        matrices = self.pack(model)
-        self.layers = [
-            LayerWeights(*matrices[4 * i:4 * i + 4], layer.input_layernorm.weight.detach().float(),
-                         layer.post_attention_layernorm.weight.detach().float())
-            for i, layer in enumerate(model.layers)
-        ]
-        self.head = matrices[-1]
-        self.embed = model.embed_tokens.weight.detach()
-        self.final_norm = model.norm.weight.detach().float()
-        self.eps = model.config.rms_norm_eps
-        # Inductor's Python wrapper re-checks every input's size and stride on each call, after
-        # dynamo's guards have checked them to pick the compiled code: ~2% of the step, skipped.
-        options = {"size_asserts": False}
-        self.decode_layers = torch.compile(decode_layers, options=options) if compile else decode_layers
-        self.decode_head = torch.compile(decode_head, options=options) if compile else decode_head
-
-    def pack(self, model: LlamaModel) -> list[Any]:
-        """The matrices of ``decode_groups(model)``, in that order, as ``matvec`` will read them.
-
-        This one also keeps the block they live in as ``self.block`` (its size is the memory
-        the decoder adds); an override stores its matrices however its ``matvec`` wants.
-        """
-        self.block, matrices = pack_weights(model)
-        return matrices
-
-    @staticmethod
-    def matvec(x: torch.Tensor, weight: Any) -> torch.Tensor:
-        """x (K,) fp32 times one packed matrix -> (N,) fp32."""
-        return gemv(x, weight)
-
-    def layer_inputs(self, cache: KVCache) -> list[list[LayerInputs]]:
-        """Each call's layers' (keys, values, weights), gathered once per request.
-
-        Indexing the cache and building the argument tuples anew at every step costs about
-        half a millisecond of a 20 ms step: small, measurable, and free to avoid.
-        """
-        inputs = [(cache.keys[i, 0], cache.values[i, 0], w.tensors()) for i, w in enumerate(self.layers)]
-        return [inputs[i:i + self.layers_per_call] for i in range(0, len(inputs), self.layers_per_call)]
-
-    def step(self, token: int, t: int, calls: list[list[LayerInputs]], cos: torch.Tensor, sin: torch.Tensor,
-             greedy: bool = True) -> torch.Tensor:
-        """Decode ``token`` at position ``t``: the next token's id (0-d) if greedy, else the logits.
-
-        ``calls`` is ``layer_inputs(cache)`` of this request's cache, whose row ``t`` this
-        writes; ``cos``/``sin`` are its (max_len, D) RoPE tables.
-        """
-        x = self.embed[token].float()
-        for layers in calls:
-            x, _ = self.decode_layers(x, t, cos, sin, self.eps, self.matvec, layers)
-        out, _ = self.decode_head(x, self.final_norm, self.eps, self.head, self.matvec, greedy)
-        return out
-
-    def tokens(self, prompt_ids: list[int], params: SamplingParams) -> Iterator[int]:
-        """The continuation of ``prompt_ids``, one token per ``next()``, at most ``params.max_new_tokens``.
-
-        The first ``next()`` runs the prefill, each later one a single decode step, so that a
-        caller can time, interleave or stop them one at a time: ``generate`` is this loop plus
-        streaming and stop rules, and ``benchmarks/decode.py`` alternates two decoders' steps
-        with bandwidth probes. A prompt that does not fit is refused here, before any work.
-        """
-        check_prompt(prompt_ids, params, self.model.config)
-        return self._decode(prompt_ids, params)
-
-    # no_grad, not inference_mode: tensors made under inference_mode differ from the compiled
-    # step's outputs in a way torch.compile guards on, which would compile every layer twice.
-    @torch.no_grad()
-    def _decode(self, prompt_ids: list[int], params: SamplingParams) -> Iterator[int]:
-        """``tokens``' generator: the prefill on the first ``next()``, then one step per ``next()``."""
-        if params.max_new_tokens == 0:
-            return
-        model, device = self.model, self.embed.device
-        n, max_len = len(prompt_ids), len(prompt_ids) + params.max_new_tokens
-        cache = KVCache(model.config, 1, max_len, dtype=self.embed.dtype, device=device)
-        positions = torch.arange(max_len, device=device)[None]
-        cos, sin = (t[0] for t in rope_cos_sin(positions, model.config.head_dim, model.config.rope_theta))
-        calls = self.layer_inputs(cache)
-        generators, history = [make_generator(params.seed, device)], list(prompt_ids)
-        logits = model(torch.tensor([prompt_ids], device=device), positions[:, :n], cache=cache,
-                       cache_start=0, last_position_only=True)
-        token = sample_next(logits, [params], generators, [history])[0]
-        for t in range(n, max_len):  # t: the position (and cache row) of the token just chosen
-            history.append(token)
-            yield token
-            if t + 1 == max_len:
-                return
-            out = self.step(token, t, calls, cos, sin, params.plain_greedy)
-            token = int(out) if params.plain_greedy else sample_next(out[None, None], [params], generators, [history])[0]
-
-    def generate(
-        self,
-        tokenizer: Tokenizer,
-        prompt_ids: list[int],
-        params: SamplingParams = SamplingParams(),
-        on_text: Callable[[str], None] | None = None,
-    ) -> GenerationResult:
-        """Same contract as ``generate_cached`` for one prompt (same tokens in fp32)."""
-        streams = open_streams(self.model.config, tokenizer, [prompt_ids], [params],
-                               on_text and (lambda _, text: on_text(text)))
-        return collect(([token] for token in self.tokens(prompt_ids, params)), streams)[0]
-
-
-# %% [markdown]
-# The fused step must not change a single token. First eagerly (no compiling), then compiled:
-
-# %%
-fast_params = SamplingParams(max_new_tokens=48, ignore_eos=True)
-reference = generate_cached(model, tokenizer, [story_prompt], fast_params)[0]
-eager_fast = FastDecoder(model, compile=False).generate(tokenizer, story_prompt, fast_params)
-print("fused step, eager:    same tokens as generate_cached:", eager_fast.token_ids == reference.token_ids)
-compiled_fast = FastDecoder(model)  # compiles on its first request
-compiled_tokens = compiled_fast.generate(tokenizer, story_prompt, fast_params).token_ids
-print("fused step, compiled: same tokens as generate_cached:", compiled_tokens == reference.token_ids)
-
-# %% [markdown]
-# The decoder reads its own copy of the weights, packed in reading order; the model it was lent
-# is unchanged and keeps serving the prefill. The copy's cost, in memory:
-
-# %%
-block = compiled_fast.block
-inside_block = [p for p in model.parameters()
-                if block.data_ptr() <= p.data_ptr() < block.data_ptr() + block.nbytes]
-weights_mb = sum(p.nbytes for p in model.parameters()) / 1e6
-print(f"packed copy: {block.nbytes / 1e6:.0f} MB beside the model's {weights_mb:.0f} MB; "
-      f"model parameters living in the decoder's block: {len(inside_block)}")
-first_layer = compiled_fast.layers[0]
-print("one layer's fused matrices: q/k/v", tuple(first_layer.qkv.shape), "o", tuple(first_layer.o.shape),
-      "gate/up", tuple(first_layer.gate_up.shape), "down", tuple(first_layer.down.shape))
-print(f"pages a step streams: {block.nbytes // 2**12:,} of 4 KB, or {-(-block.nbytes // 2**21):,} of 2 MB")
-calls_per_step = -(-config.num_layers // compiled_fast.layers_per_call) + 1  # ceil, then the head
-print(f"layers per compiled call: {compiled_fast.layers_per_call}, so {calls_per_step} compiled calls per step")
-
-# %% [markdown]
-# And the speed, measured here, side by side (the compiled decoder is already warm):
-
-# %%
-# NBVAL_IGNORE_OUTPUT
-speed = {
-    "generate_cached (stage 04)": generate_cached(model, tokenizer, [story_prompt], fast_params)[0],
-    "fused step, eager": FastDecoder(model, compile=False).generate(tokenizer, story_prompt, fast_params),
-    "fused step, compiled": compiled_fast.generate(tokenizer, story_prompt, fast_params),
-}
-for name, result in speed.items():
-    print(f"{name:<28} {result.timings['decode_tokens_per_s']:6.1f} tokens/s")
-compiled_speed = speed["fused step, compiled"].timings["decode_tokens_per_s"]
-eager_speed = speed["fused step, eager"].timings["decode_tokens_per_s"]
-print(f"compiled / eager fused step: {compiled_speed / eager_speed:.1f}x")
-
-# %% [markdown]
-# Run eagerly, the fused step gains nothing on `generate_cached` (compare the first two lines
-# above): fusing three matrices into one barely changes the bytes, and its one-vector products
-# and spelled-out attention are still dispatched call by call. The gain is the compiler's (the
-# last ratio printed above) — and it needed the step *written for* it: one token, fixed shapes
-# but for the position, products spelled as loops it can fuse.
-#
-# Back to section 5's chart: the compiled fp32 step at the same contexts, against the same
-# rooflines. As there, a cache of random keys and values stands in for thousands of prefilled
-# tokens (the decoder's first step on this larger cache compiles once more, untimed).
-
-# %%
-# NBVAL_IGNORE_OUTPUT
-long_cache = KVCache(config, 1, max(contexts))
-long_cache.keys.normal_(), long_cache.values.normal_()
-long_calls = compiled_fast.layer_inputs(long_cache)
-long_cos, long_sin = (t[0] for t in rope_cos_sin(torch.arange(max(contexts))[None], config.head_dim,
-                                                 config.rope_theta))
-
-
-def compiled_tokens_per_s(context: int, steps: int = 5) -> float:
-    """The compiled step's speed (median of ``steps``) when its token attends to ``context`` positions."""
-    seconds = []
-    with torch.no_grad():  # as the decoder's own loop: inference_mode would compile again
-        for _ in range(steps + 1):  # the first step warms up
-            start = time.perf_counter()
-            compiled_fast.step(42, context - 1, long_calls, long_cos, long_sin)
-            seconds.append(time.perf_counter() - start)
-    return 1 / statistics.median(seconds[1:])
-
-
-compiled_points = [compiled_tokens_per_s(context) for context in contexts]
-for context, speed_at in zip(contexts, compiled_points):
-    roof = best_read / decode_bytes_per_token(model, context, torch.float32)
-    print(f"compiled fp32 at {context:>5} tokens: {speed_at:5.1f} tokens/s, {speed_at / roof:.0%} of the roofline")
-roofline_chart({**eager_points, "measured, fp32, compiled": (contexts, compiled_points)},
-               "Decode speed against the memory roofline, with the compiled step")
-del long_cache, long_calls
-
-# %% [markdown]
-# The fractions printed above say how close the compiled step comes to its roofline at each
-# context. As the context grows, both the roofline and the measured speed fall: a step reads
-# the cache too, and its attention, written as loops over every cached position, pays for
-# each of them. Section 5's bandwidth is one moment's measurement: on a shared machine the
-# memory's speed drifts, so a fraction drifts with it, and can even pass 100% when the probe
-# ran in a slow moment.
-#
-# `benchmarks/decode.py` runs the full comparison: this decoder in fp32 and bf16 against
-# `transformers` on the same weights and against the roofline, all in one process, with the
-# bandwidth from the same `read_bandwidth` as here — in ordinary and in huge pages, keeping
-# the faster, so huge pages raise the roofline as much as they raise us. The memory's speed
-# drifts from second to second on a shared machine, so every ratio compares measurements
-# taken moments apart: whole requests for the ratio to `transformers`, and for the roofline
-# and bf16 ratios single decode steps, each between two probes, fp32 and bf16 taking turns.
-# Run it (`python benchmarks/decode.py`, a few minutes) for this machine's ratios. What is
-# left: between the matrix products, attention, RoPE and the cache write run as short, partly
-# single-threaded loops while the memory idles, and each of the step's compiled calls still
-# has its fixed cost. bf16 reads half the bytes but runs less than twice as fast because
-# those costs stay.
+# Both are what stage 09 attacks. It measures this machine's ceilings, places every step on a
+# roofline, and then climbs a ladder of decoders — a one-token step with static buffers, fused
+# projections, a compiled step, bf16 weights read into fp32 arithmetic, weights packed in
+# reading order, several layers per compiled call, int8 and int4 weights — measuring each rung
+# against a roofline like section 5's. The cache you built here is what every rung reads.
 #
 # ## 7. bf16: what to store, and what to compute in
 #
@@ -1167,8 +680,8 @@ del long_cache, long_calls
 #   bf16, layer after layer. CPUs with bf16 instructions (AVX-512 BF16, AMX) run the matrix
 #   products of a prefill faster this way.
 # - **fp32 activations**: the weights are rounded once, when stored; everything computed from
-#   them stays fp32 (`Linear` upcasts a block of weight rows at a time). This is what the
-#   compiled decoder above does, and `LlamaModel`'s default.
+#   them stays fp32 (`Linear` upcasts a block of weight rows at a time). This is
+#   `LlamaModel`'s default, and what stage 09's compiled decoder does.
 #
 # Either way the **logits leave the model in fp32**. Here is why, on the first answer token
 # of stage 00's question:
@@ -1338,8 +851,8 @@ del bf16_variants, speed_models
 # than fp32; fp32 activations pay fp32 arithmetic plus the conversion of every weight block.
 # Eagerly, bf16 weights buy the decode little or nothing (the last column): at one token each
 # `F.linear` is a call that gains nothing from bf16 weights, and fp32 activations add the
-# conversion. The bytes pay off in the compiled decoder, which reads bf16 and computes in
-# fp32 in one loop: `benchmarks/decode.py` measures its bf16/fp32 ratio.
+# conversion. The bytes pay off in stage 09's compiled decoder, which reads bf16 and computes
+# in fp32 in one loop: its ladder measures what they buy.
 #
 # So the course keeps **fp32 activations** as the default: on real text they had several times
 # fewer positions with a different best token than bf16 activations, and a far smaller KL
@@ -1358,5 +871,4 @@ del bf16_variants, speed_models
 # | `next_positions` | RoPE positions count real tokens, cache columns count all |
 # | `cached_steps`, `generate_cached` | prefill the padded prompts once, then one token per step |
 # | `read_bandwidth`, `decode_bytes_per_token` | the roofline: bytes a step reads ÷ read bandwidth (`roofline`) |
-# | `FastDecoder` | batch-1 decode with fused weights and a compiled step (`fast_decode`) |
 # | `teacher_forced_logits`, `agreement` | a low-precision model against fp32 on real text (`precision`) |

@@ -378,6 +378,30 @@ def kernel_fits(scheme: QuantScheme, out_features: int) -> bool:
     return scheme.bits == 8 or (scheme.group_size in INT4_KERNEL_GROUP_SIZES and out_features % 16 == 0)
 
 
+@torch.no_grad()
+def kernel_layout(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
+                  scheme: QuantScheme) -> tuple[torch.Tensor, torch.Tensor]:
+    """A quantized weight (``QuantizedLinear``'s ``q``, ``scale``, ``zero``) as PyTorch's CPU
+    kernels read it. int8: the integers as they are and bf16 scales. int4: levels 0 … 15 in the
+    kernel's own tiles, and (groups, out, 2) pairs of scale and zero — our zero, ``min + 8 ×
+    scale``, is the one its ``q × scale + zero`` over levels shifted by 8 wants."""
+    if scheme.bits == 8:
+        return q, scale.to(torch.bfloat16)
+    levels = unpack_int4(q).to(torch.int32) - INT4_MIN
+    tiled = torch.ops.aten._convert_weight_to_int4pack_for_cpu(levels, 1)
+    pairs = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous()
+    return tiled, pairs.to(torch.bfloat16)
+
+
+def kernel_matmul(flat: torch.Tensor, weights: torch.Tensor, scales: torch.Tensor,
+                  scheme: QuantScheme) -> torch.Tensor:
+    """bf16 rows (rows, in) times a weight in the layout of ``QuantizedLinear.kernel_weights``
+    -> bf16 (rows, out), through PyTorch's CPU kernel for the scheme."""
+    if scheme.bits == 8:
+        return torch.ops.aten._weight_int8pack_mm(flat, weights, scales)
+    return torch.ops.aten._weight_int4pack_mm_for_cpu(flat, weights, scheme.group_size, scales)
+
+
 class QuantizedLinear(nn.Module):
     """A linear layer (no bias) whose weight is held as integers, scales and (int4) zeros."""
 
@@ -451,24 +475,14 @@ class QuantizedLinear(nn.Module):
 
     def _kernel_forward(self, flat: torch.Tensor) -> torch.Tensor:
         """PyTorch's CPU kernels: the integers are multiplied as they are, scales in bf16."""
-        if self._kernel_weights is None:
-            self._kernel_weights = self._kernel_layout()
-        weights, scales = self._kernel_weights
-        if self.scheme.bits == 8:
-            return torch.ops.aten._weight_int8pack_mm(flat, weights, scales)
-        return torch.ops.aten._weight_int4pack_mm_for_cpu(flat, weights, self.scheme.group_size, scales)
+        return kernel_matmul(flat, *self.kernel_weights(), self.scheme)
 
-    @torch.no_grad()
-    def _kernel_layout(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The weights as the kernels read them. int4: levels 0 … 15 in the kernel's own tiles,
-        and (groups, out, 2) pairs of scale and zero — our zero, ``min + 8 × scale``, is the one
-        its ``q × scale + zero`` over levels shifted by 8 wants."""
-        if self.scheme.bits == 8:
-            return self.q, self.scale.to(torch.bfloat16)
-        levels = unpack_int4(self.q).to(torch.int32) - INT4_MIN
-        tiled = torch.ops.aten._convert_weight_to_int4pack_for_cpu(levels, 1)
-        pairs = torch.stack([self.scale, self.zero], dim=-1).transpose(0, 1).contiguous()
-        return tiled, pairs.to(torch.bfloat16)
+    def kernel_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The weights and scales as ``kernel_matmul`` reads them (``kernel_layout``): made on
+        first use, then kept."""
+        if self._kernel_weights is None:
+            self._kernel_weights = kernel_layout(self.q, self.scale, self.zero, self.scheme)
+        return self._kernel_weights
 
     def extra_repr(self) -> str:
         return f"{self.in_features} → {self.out_features}, {self.scheme.name}"

@@ -73,7 +73,8 @@ def test_env_reports_torch_and_triton():
 
 
 def test_bf16_weights_with_either_activation_dtype(tiny_dir):
-    args = ("generate", "The quick", "--model", str(tiny_dir), "--max-new-tokens", "4", "--json", "--dtype", "bfloat16")
+    args = ("generate", "The quick", "--model", str(tiny_dir), "--max-new-tokens", "4", "--json", "--dtype", "bfloat16",
+            "--loop", "cached")
     for activations in ("float32", "bfloat16"):
         out = run(*args, "--activations", activations)
         assert out.returncode == 0, out.stderr
@@ -90,20 +91,22 @@ def test_chat_answer_about_france(real_model_dir):
 
 def test_the_four_loops_agree(tiny_untied_dir, monkeypatch):
     """The same tokens and text from every loop, all run with one thread (the tests of each loop
-    on the real model run with every core)."""
+    on the real model run with every core). The default for one prompt is the compiled one."""
     args = ("generate", "The quick", "--model", str(tiny_untied_dir), "--max-new-tokens", "10", "--json")
-    loops = ("skeleton", "compiled", "engine")
-    cached, *others = run_json_side_by_side(monkeypatch, args, *((*args, "--loop", loop) for loop in loops))
-    assert len(set(cached["token_ids"])) > 3, "the model must produce varied tokens for this to mean anything"
+    loops = ("skeleton", "cached", "engine")
+    default, *others = run_json_side_by_side(monkeypatch, args, *((*args, "--loop", loop) for loop in loops))
+    assert len(set(default["token_ids"])) > 3, "the model must produce varied tokens for this to mean anything"
     for loop, result in zip(loops, others):
-        assert (result["token_ids"], result["text"]) == (cached["token_ids"], cached["text"]), loop
+        assert (result["token_ids"], result["text"]) == (default["token_ids"], default["text"]), loop
 
 
 def test_sampling_flags_sample_reproducibly(tiny_untied_dir, monkeypatch):
-    args = ("generate", "The quick", "--model", str(tiny_untied_dir), "--max-new-tokens", "10", "--json",
-            "--temperature", "1.5", "--top-k", "50", "--top-p", "0.95", "--repetition-penalty", "1.1")
+    # The cached loop: the seed's rules are the CLI's, whatever the loop (the compiled decoder
+    # samples from its logits with the same sample_next: tests/test_fast_decode.py).
+    args = ("generate", "The quick", "--model", str(tiny_untied_dir), "--max-new-tokens", "10", "--json", "--loop",
+            "cached", "--temperature", "1.5", "--top-k", "50", "--top-p", "0.95", "--repetition-penalty", "1.1")
     greedy, first, again, other, unseeded = run_json_side_by_side(
-        monkeypatch, args[:7], (*args, "--seed", "5"), (*args, "--seed", "5"), (*args, "--seed", "6"), args)
+        monkeypatch, args[:9], (*args, "--seed", "5"), (*args, "--seed", "5"), (*args, "--seed", "6"), args)
     greedy, first, again, other = (r["token_ids"] for r in (greedy, first, again, other))
     assert first == again and first != greedy and other != first
     # An unseeded run chooses a seed and reports it, and that seed repeats the answer (with the
@@ -113,7 +116,8 @@ def test_sampling_flags_sample_reproducibly(tiny_untied_dir, monkeypatch):
 
 
 def test_sampling_flags_at_temperature_zero_get_a_note(tiny_dir):
-    out = run("generate", "x", "--model", str(tiny_dir), "--max-new-tokens", "2", "--top-k", "5", "--seed", "1")
+    out = run("generate", "x", "--model", str(tiny_dir), "--max-new-tokens", "2", "--top-k", "5", "--seed", "1",
+              "--loop", "cached")
     assert out.returncode == 0 and "--top-k, --seed only matter when sampling" in out.stderr
 
 
@@ -154,7 +158,8 @@ def test_quant_quantizes_once_and_reads_the_file_after(tiny_dir, tmp_path, monke
 
     model_dir = tmp_path / "tiny"
     shutil.copytree(tiny_dir, model_dir)
-    args = ("generate", "hello", "--model", str(model_dir), "--max-new-tokens", "6", "--json", "--quant", "int4-g32")
+    args = ("generate", "hello", "--model", str(model_dir), "--max-new-tokens", "6", "--json", "--quant", "int4-g32",
+            "--loop", "cached")
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # every run compared here with one thread
     first = run(*args)
     assert first.returncode == 0 and "quantizing tiny to int4-g32, once" in first.stderr, first.stderr
@@ -177,6 +182,75 @@ def test_the_cli_names_every_quantization_scheme():
     from aie_lessons.quantize import SCHEMES
 
     assert QUANT_SCHEMES == tuple(SCHEMES)
+
+
+def test_the_default_loop_compiles_once_into_data_cache_then_loads(tiny_dir, tmp_path, monkeypatch):
+    """One prompt runs stage 09's compiled decoder by default: the first run says it compiles,
+    the next that it loads, both give stage 04's cached loop's tokens, and the compiled code
+    lands in the course's cache folder — the CLI points inductor there before anything imports
+    it (its default is in /tmp). The folder is redirected here, as data/cache/inductor would be."""
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    folder = tmp_path / "inductor"
+    script = ("import sys; from pathlib import Path; import aie_lessons.infra.compile_cache as cache; "
+              f"cache.INDUCTOR_CACHE = Path({str(folder)!r}); from aie_lessons.cli import main; "
+              "sys.exit(main(sys.argv[1:]))")
+    args = ("generate", "The quick", "--model", str(tiny_dir), "--max-new-tokens", "6", "--json")
+    first, second = (subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True,
+                                    timeout=600) for _ in range(2))
+    assert first.returncode == 0 and "compiling the decoder" in first.stderr, first.stderr
+    assert second.returncode == 0 and "loading the compiled decoder" in second.stderr, second.stderr
+    assert any(folder.glob("fxgraph/*/*")), "inductor wrote nothing into the course's cache folder"
+    cached = json.loads(run(*args, "--loop", "cached").stdout)
+    assert json.loads(first.stdout)["token_ids"] == json.loads(second.stdout)["token_ids"] == cached["token_ids"]
+
+
+def test_a_compiler_that_fails_leaves_the_cached_loop(tiny_dir, tmp_path, monkeypatch):
+    """A compiler that exists but cannot build (here `true`, which writes nothing): the default
+    falls back with a one-line note; an explicit --loop compiled is refused, without a traceback."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "empty"))  # nothing to load: it must compile
+    monkeypatch.setenv("CXX", "true")
+    args = ("generate", "The quick", "--model", str(tiny_dir), "--max-new-tokens", "4")
+    fallback = run(*args)
+    assert fallback.returncode == 0 and "the compiled decoder cannot run here, so the cached loop runs" in fallback.stderr
+    assert "Traceback" not in fallback.stderr and "TORCHDYNAMO_VERBOSE" not in fallback.stderr, fallback.stderr
+    refused = run(*args, "--loop", "compiled")
+    assert refused.returncode == 2 and "--loop compiled:" in refused.stderr and "Traceback" not in refused.stderr
+
+
+def test_without_a_cpp_compiler_the_default_is_the_cached_loop(tiny_dir, monkeypatch):
+    monkeypatch.setenv("CXX", "/nowhere/g++")
+    args = ("generate", "The quick", "--model", str(tiny_dir), "--max-new-tokens", "4")
+    out = run(*args)
+    assert out.returncode == 0 and "no C++ compiler, so the eager cached loop runs" in out.stderr, out.stderr
+    assert "loading the compiled decoder" not in out.stderr and "compiling the decoder" not in out.stderr
+    refused = run(*args, "--loop", "compiled")
+    assert refused.returncode == 2 and "needs a C++ compiler" in refused.stderr and "Traceback" not in refused.stderr
+
+
+def test_quantized_weights_run_the_compiled_decoder_by_default(tiny_dir, tmp_path):
+    """int4-g32 through PyTorch's kernel inside the compiled step."""
+    import shutil
+
+    model_dir = tmp_path / "tiny"
+    shutil.copytree(tiny_dir, model_dir)
+    compiled = run("generate", "hello", "--model", str(model_dir), "--max-new-tokens", "6", "--json", "--quant",
+                   "int4-g32")
+    assert compiled.returncode == 0 and "ready in" in compiled.stderr, compiled.stderr
+    assert len(json.loads(compiled.stdout)["token_ids"]) == 6
+
+
+@pytest.mark.parametrize("flags, loop", [((), "compiled"), (("--quant", "int4-g192"), "cached"),
+                                         (("--activations", "bfloat16"), "cached"), (("x",), "engine"),
+                                         (("--max-new-tokens", "1"), "cached"), (("--quant", "int8"), "compiled")])
+def test_the_default_loop_is_the_fastest_that_can_run(flags, loop, monkeypatch):
+    """No kernel for int4-g192, no bf16 activations in the compiled step, no decode step to
+    compile for: the cached loop, without a word; several prompts: the engine."""
+    from aie_lessons.cli import _loop, build_parser
+    from aie_lessons.infra import compile_cache
+
+    monkeypatch.setattr(compile_cache, "cpp_compiler", lambda: "g++")  # whatever this machine has
+    args = build_parser().parse_args(["generate", "a prompt", *flags])
+    assert _loop(args, len(args.prompts)) == loop
 
 
 def test_compiled_loop_with_bf16_activations_is_refused(tiny_dir):
@@ -347,7 +421,7 @@ BAD_INPUTS = [
     (("reset", "42"), "there is no stage 42"),
     (("status", "42"), "there is no stage 42"),
     (("status", "00"), "stage 00 has no exercises"),
-    (("generate", "x", "--model", "{tiny}", "--loop", "compiled", "--quant", "int8"), "cannot read quantized ones"),
+    (("generate", "x", "--model", "{tiny}", "--loop", "compiled", "--quant", "int4-g192"), "takes no int4-g192"),
     (("generate", "x", "--model", "{tiny}", "--quant-head"), "Fix: add --quant SCHEME"),
     (("generate", "x", "--quant", "int3"), "invalid choice: 'int3'"),
     (("frobnicate",), "invalid choice: 'frobnicate'"),

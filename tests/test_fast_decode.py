@@ -1,4 +1,4 @@
-"""Stage 04's FastDecoder: fused weights and a compiled step must not change a single token."""
+"""Stage 09's FastDecoder: fused weights and a compiled step must not change a single token."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from aie_lessons.fast_decode import (
     decode_attention,
     decode_groups,
     gemv,
+    huge_page_bytes,
     huge_page_empty,
     rope_one_token,
 )
@@ -90,20 +91,6 @@ def test_sampled_decoding_matches_generate_cached_with_the_same_seed(tiny_untied
     assert FastDecoder(model, compile=False).generate(tokenizer, prompt, params).token_ids == expected
 
 
-def huge_page_kib(address: int) -> int:
-    """AnonHugePages (kB) of the mapping holding ``address``, from /proc/self/smaps."""
-    inside = False
-    with open("/proc/self/smaps") as smaps:
-        for line in smaps:
-            head = line.split()[0]
-            if "-" in head and ":" not in head:  # a mapping's header: start-end perms ...
-                start, end = (int(part, 16) for part in head.split("-"))
-                inside = start <= address < end
-            elif inside and head == "AnonHugePages:":
-                return int(line.split()[1])
-    raise AssertionError(f"no mapping holds address {address:#x}")
-
-
 def test_huge_page_memory_is_aligned_and_backed_by_huge_pages():
     numel = 4 * HUGE_PAGE // 4
     block = huge_page_empty(numel, torch.float32)
@@ -119,7 +106,7 @@ def test_huge_page_memory_is_aligned_and_backed_by_huge_pages():
         pytest.skip(f"transparent huge pages are off here (enabled: {enabled.strip()}; defrag: "
                     f"{defrag.strip()}): the memory is ordinary (correct, slower)")
     assert block.data_ptr() % HUGE_PAGE == 0
-    assert huge_page_kib(block.data_ptr()) >= HUGE_PAGE // 1024, "madvise(MADV_HUGEPAGE) did not give huge pages"
+    assert huge_page_bytes(block) >= HUGE_PAGE, "madvise(MADV_HUGEPAGE) did not give huge pages"
 
 
 def test_decode_attention_equals_sdpa_with_grouped_heads():
@@ -272,3 +259,132 @@ def test_every_decode_step_gives_the_eager_models_logits(tiny_untied_dir, compil
             logits = decoder.step(int(ids[0, t]), t, calls, cos, sin, greedy=False)
             assert logits.shape == expected[t].shape == (model.config.vocab_size,)
             assert (logits - expected[t]).abs().max().item() <= 1e-4, f"position {t}"
+
+
+# --- stage 09: packing optional, bytes per step, teacher forcing, warm-up, quantized weights ---
+
+
+def test_unpacked_decoder_gives_the_packed_ones_tokens_and_owns_no_block(tiny):
+    model, tokenizer = tiny
+    packed = FastDecoder(model, compile=False)
+    unpacked = FastDecoder(model, compile=False, packed=False)
+    assert unpacked.block is None and unpacked.layers[0].qkv.data_ptr() != packed.layers[0].qkv.data_ptr()
+    for prompt in prompts(tokenizer):
+        assert (unpacked.generate(tokenizer, prompt, PARAMS).token_ids
+                == packed.generate(tokenizer, prompt, PARAMS).token_ids)
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_bytes_per_token_is_stage_04s_count_plus_the_embedding_row(tiny_dir, tiny_untied_dir, dtype, tied):
+    """Stage 04's ``decode_bytes_per_token`` counts every parameter once (the tied table as the
+    head) and the cache; a step also reads the one embedding row of its token, and the decoder
+    keeps its norms' weights in fp32 whatever the model stores."""
+    from aie_lessons.roofline import decode_bytes_per_token
+
+    model = LlamaModel.from_pretrained(tiny_dir if tied else tiny_untied_dir, dtype=dtype)
+    decoder = FastDecoder(model, compile=False)
+    size = model.embed_tokens.weight.element_size()
+    row = model.config.hidden_size * size
+    norms = sum(p.numel() for name, p in model.named_parameters() if "norm" in name) * (4 - size)
+    for context in (1, 40):
+        assert decoder.bytes_per_token(context) == decode_bytes_per_token(model, context, dtype) + row + norms
+
+
+def test_forced_logits_are_the_full_forward_passes_logits(tiny_untied_dir):
+    """Teacher forcing: the logits before each token of a continuation, the decoder fed those
+    tokens, equal one forward pass of the model over the prompt and the continuation."""
+    model = LlamaModel.from_pretrained(tiny_untied_dir)
+    ids = torch.randint(3, model.config.vocab_size, (12,), generator=torch.Generator().manual_seed(3)).tolist()
+    prompt, continuation = ids[:5], ids[5:]
+    with torch.no_grad():
+        expected = model(torch.tensor([ids]))[0, 4:-1]  # the logits that predict each continuation token
+    forced = FastDecoder(model, compile=False).forced_logits(prompt, continuation)
+    assert forced.shape == (len(continuation), model.config.vocab_size)
+    assert (forced - expected).abs().max().item() <= 1e-4
+
+
+def test_forced_logits_refuse_a_continuation_past_the_context_and_take_an_empty_one(tiny):
+    model, _ = tiny  # its context: 64 positions
+    decoder = FastDecoder(model, compile=False)
+    assert decoder.forced_logits([1] * 40, [1] * 25).shape[0] == 25  # 40 + 24 fed positions fit
+    with pytest.raises(ContextLengthError, match="context"):
+        decoder.forced_logits([1] * 40, [1] * 26)
+    assert decoder.forced_logits([1, 2], []).shape == (0, model.config.vocab_size)
+
+
+def test_warm_up_leaves_the_next_request_unchanged(tiny):
+    model, tokenizer = tiny
+    decoder = FastDecoder(model, compile=False)
+    before = decoder.generate(tokenizer, prompts(tokenizer)[1], PARAMS).token_ids
+    decoder.warm_up(SamplingParams(temperature=0.8, seed=1))
+    assert decoder.generate(tokenizer, prompts(tokenizer)[1], PARAMS).token_ids == before
+
+
+@pytest.mark.slow
+def test_after_warm_up_no_request_compiles_again(tiny_untied_dir):
+    """The cache and the RoPE tables are sized by each request, their length marked dynamic: after
+    ``warm_up`` requests of other lengths, greedy or sampled as warmed, run what was compiled."""
+    model, tokenizer = LlamaModel.from_pretrained(tiny_untied_dir), Tokenizer.from_pretrained(tiny_untied_dir)
+    decoder = FastDecoder(model, layers_per_call=2)
+    decoder.warm_up()
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for prompt, tokens in zip(prompts(tokenizer), (5, 17)):
+            decoder.generate(tokenizer, prompt, SamplingParams(max_new_tokens=tokens, ignore_eos=True))
+
+
+def _quantized(model_dir, scheme, **kwargs):
+    from aie_lessons.quantize import quantize_model
+
+    return quantize_model(LlamaModel.from_pretrained(model_dir), scheme, **kwargs)
+
+
+@pytest.mark.parametrize("scheme, head", [("int8", False), ("int4-g32", False), ("int8", True)])
+def test_quantized_decoder_gives_the_quantized_models_logits(tiny_untied_dir, scheme, head):
+    """The decoder stacks each group's integers for PyTorch's kernels; the model multiplies
+    layer by layer in fp32. The kernels round the input vector to bf16, so the logits agree
+    within bf16's rounding of the activations: eps(bf16) × the largest |logit| × 4."""
+    from aie_lessons.fast_decode import QuantizedFastDecoder
+
+    model = _quantized(tiny_untied_dir, scheme, head=head)
+    ids = torch.randint(3, model.config.vocab_size, (12,), generator=torch.Generator().manual_seed(4)).tolist()
+    with torch.no_grad():
+        expected = model(torch.tensor([ids]))[0, 4:-1]
+    forced = QuantizedFastDecoder(model, compile=False).forced_logits(ids[:5], ids[5:])
+    error = (forced - expected).abs().max().item()
+    assert error <= 4 * torch.finfo(torch.bfloat16).eps * expected.abs().max().item(), error
+
+
+def test_quantized_decoder_stacks_a_group_of_one_scheme_and_keeps_mixed_groups_apart(tiny_untied_dir):
+    from aie_lessons.fast_decode import KernelMatrix, QuantizedFastDecoder
+
+    model = _quantized(tiny_untied_dir, "int4-g32", overrides={"layers.0.self_attn.k_proj": "int8"})
+    decoder = QuantizedFastDecoder(model, compile=False)
+    first, second = decoder.layers
+    assert isinstance(first.qkv, tuple) and [m.scheme.name for m in first.qkv] == ["int4-g32", "int8", "int4-g32"]
+    assert isinstance(second.qkv, KernelMatrix) and second.qkv.scheme.name == "int4-g32"
+    assert isinstance(decoder.head, torch.Tensor)  # the head was not quantized: a float matrix
+    tokenizer = Tokenizer.from_pretrained(tiny_untied_dir)
+    assert len(decoder.generate(tokenizer, prompts(tokenizer)[0], PARAMS).token_ids) == PARAMS.max_new_tokens
+
+
+def test_quantized_decoder_refuses_what_the_kernels_cannot_read(tiny_untied_dir):
+    from aie_lessons.fast_decode import QuantizedFastDecoder
+    from aie_lessons.quantize import QuantScheme
+
+    with pytest.raises(ValueError, match="no quantized layers. Fix"):
+        QuantizedFastDecoder(LlamaModel.from_pretrained(tiny_untied_dir), compile=False)
+    model = _quantized(tiny_untied_dir, QuantScheme("int4-g16", 4, 16))
+    with pytest.raises(ValueError, match=r"layers\.0\.self_attn\.q_proj \(int4-g16\).*groups of 32, 64, 128, 256"):
+        QuantizedFastDecoder(model, compile=False)
+
+
+@pytest.mark.slow
+def test_compiled_quantized_decoder_gives_the_eager_ones_logits(tiny_untied_dir):
+    from aie_lessons.fast_decode import QuantizedFastDecoder
+
+    model = _quantized(tiny_untied_dir, "int4-g32")
+    ids = list(range(3, 15))
+    eager = QuantizedFastDecoder(model, compile=False).forced_logits(ids[:5], ids[5:])
+    compiled = QuantizedFastDecoder(model, layers_per_call=2).forced_logits(ids[:5], ids[5:])
+    assert (compiled - eager).abs().max().item() <= 1e-4

@@ -7,7 +7,7 @@ import torch
 
 from aie_lessons.ceilings import copy_bandwidth, matmul_throughput
 from aie_lessons.checks import stage09 as checks
-from aie_lessons.kv_cache import kv_cache_bytes
+from aie_lessons.kv_cache import KVCache, kv_cache_bytes
 from aie_lessons.step_cost import DecodeCost, decode_step_cost
 
 from check_expect import mutants, names_the_mistake
@@ -90,3 +90,102 @@ def test_intensity_grows_with_the_batch_and_is_flops_per_byte(real_model, batch)
     cost = decode_step_cost(real_model.config, batch, 128, 500_000_000)
     assert cost.intensity == cost.flops / cost.bytes
     assert decode_step_cost(real_model.config, 2 * batch, 128, 500_000_000).intensity > cost.intensity
+
+
+def test_the_reference_decode_attention_passes_its_check():
+    from aie_lessons.fast_decode import decode_attention
+
+    checks.check_decode_attention(decode_attention)
+
+
+def _attend(q, keys, values, *, scale=True, grouping="adjacent", normalize=True, stable=True, dtype=torch.float32,
+            axis=-1, compute=torch.float32):
+    """Decode attention with one of the usual mistakes switched on."""
+    num_kv_heads, _, head_dim = keys.shape
+    group = q.shape[0] // num_kv_heads
+    if compute != torch.float32:  # the arithmetic in the cache's dtype, converted at the end
+        keys, values, q = keys.to(compute), values.to(compute), q.to(compute)
+    else:
+        keys, values = keys.float(), values.float()
+    if grouping == "adjacent":
+        k, v = keys.repeat_interleave(group, 0), values.repeat_interleave(group, 0)
+    else:
+        k, v = keys.repeat(group, 1, 1), values.repeat(group, 1, 1)
+    scores = (q[:, None, :] * k).sum(-1) * (head_dim**-0.5 if scale else 1.0)  # (Hq, T)
+    if stable:
+        scores = scores - scores.amax(axis, keepdim=True)
+    weights = scores.exp()
+    if normalize:
+        weights = weights / weights.sum(axis, keepdim=True)
+    out = (weights[..., None] * v).sum(-2)
+    return out.to(dtype) if dtype != torch.float32 else out.float()
+
+
+@mutants("9.2", [
+    (lambda q, k, v: _attend(q, k, v, scale=False), "not scaled by 1/√head_dim"),
+    (lambda q, k, v: _attend(q, k, v, grouping="round-robin"), "h % num_kv_heads"),
+    (lambda q, k, v: _attend(q, k, v, normalize=False), "do not sum to 1"),
+    (lambda q, k, v: _attend(q, k, v, stable=False), "subtract each row's own largest score"),
+    (lambda q, k, v: _attend(q, k, v, dtype=torch.bfloat16), "should be float32"),
+    (lambda q, k, v: _attend(q, k, v, axis=0), "the softmax was taken over the heads"),
+    (lambda q, k, v: _attend(q, k.float().mul_(1.0) if k.dtype != torch.float32 else k.mul_(1.5), v),
+     "changed keys in place"),
+    (lambda q, k, v: _attend(q, k.view(-1, k.shape[-1]).view(k.shape), v), "not contiguous in memory"),
+    (lambda q, k, v: _attend(q, k, v, compute=k.dtype), "about bf16's rounding"),
+    (lambda q, k, v: _attend(q, v, v), "differs from softmax"),
+    (lambda q, k, v: _attend(q, k, v)[None], "should be \\(query heads, head_dim\\)"),
+])
+def test_decode_attention_mistakes_are_named(wrong, message):
+    with names_the_mistake("9.2", message):
+        checks.check_decode_attention(wrong)
+
+
+def test_op_costs_count_products_by_flop_counter_and_bytes_by_the_tensors():
+    from aie_lessons.step_cost import op_costs
+
+    a, b = torch.randn(4, 8), torch.randn(8, 16)
+    table = torch.randn(50, 8)
+    ids = torch.tensor([[3, 7]])
+    costs = op_costs(lambda: (a @ b, a.view(8, 4), a.t(), torch.nn.functional.embedding(ids, table),
+                              a.clone().add_(1.0), b.sum()))
+    by_name = {cost.name: cost for cost in costs}
+    assert "view" not in by_name and "t" not in by_name  # views move no data
+    mm = by_name["mm"]
+    assert (mm.flops, mm.bytes, mm.elements) == (2 * 4 * 8 * 16, (32 + 128 + 64) * 4, 128)
+    assert mm.intensity == mm.flops / mm.bytes
+    lookup = by_name["embedding"]
+    assert lookup.bytes == 2 * 2 * 8 * 4 and lookup.flops == 0  # two rows read and written, not the table
+    added = by_name["add_"]  # in place: it writes, so it counts
+    assert added.flops == 0 and added.elements == 32 and added.intensity == 32 / added.bytes
+    reduced = by_name["sum"]  # a reduction: one operation per element read
+    assert reduced.elements == 128 and reduced.bytes == 128 * 4 + 4
+
+
+def test_op_costs_flops_of_a_decode_step_equal_flop_counter_modes(tiny_untied_dir):
+    from torch.utils.flop_counter import FlopCounterMode
+
+    import aie_lessons.attention  # noqa: F401 - the manual backend, whose products are counted
+    from aie_lessons.model import LlamaModel
+    from aie_lessons.step_cost import op_costs
+
+    model = LlamaModel.from_pretrained(tiny_untied_dir, attention="manual")
+    cache = KVCache(model.config, 2, 9)
+    ids, positions = torch.randint(0, model.config.vocab_size, (2, 1)), torch.full((2, 1), 8)
+    with torch.inference_mode():
+        model(torch.zeros(2, 8, dtype=torch.long), torch.arange(8).expand(2, 8), cache=cache, cache_start=0)
+        with FlopCounterMode(display=False) as counter:
+            model(ids, positions, cache=cache, cache_start=8)
+        costs = op_costs(lambda: model(ids, positions, cache=cache, cache_start=8))
+    assert sum(cost.flops for cost in costs) == counter.get_total_flops() > 0
+
+
+def test_op_costs_count_the_integer_kernels_like_mm():
+    from aie_lessons.quantize import QuantizedLinear, SCHEMES
+    from aie_lessons.step_cost import op_costs
+
+    x = torch.randn(3, 64, dtype=torch.bfloat16)
+    for scheme in ("int8", "int4-g32"):
+        layer = QuantizedLinear.quantize(torch.randn(32, 64), SCHEMES[scheme])
+        layer(x)  # the kernel's layout is made on first use
+        kernels = [c for c in op_costs(lambda: layer(x)) if c.name.startswith("_weight_int")]
+        assert len(kernels) == 1 and kernels[0].flops == 2 * 3 * 64 * 32, scheme

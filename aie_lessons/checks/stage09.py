@@ -1,4 +1,4 @@
-"""Checks for stage 09: a decode step's FLOPs and bytes.
+"""Checks for stage 09: a decode step's FLOPs and bytes (9.1) and decode attention (9.2).
 
 The expected FLOPs are not computed from a formula here: ``FlopCounterMode`` counts the matrix
 products of a real decode step of small random models (several shapes: tied and untied heads,
@@ -146,3 +146,90 @@ def check_decode_step_cost(decode_step_cost) -> None:
                                 + (f": {named[cost.bytes]}" if cost.bytes in named else ""))
     passed("9.1", "FLOPs equal FlopCounterMode's count of real decode steps (3 shapes, tied and untied, "
                   "grouped-query and multi-head, batch 1 and 3); bytes are the weights once plus the caches")
+
+
+def _attention_reference(q, keys, values, *, scale=True, grouping="adjacent", normalize=True, axis=-1):
+    """One query per head against every cached position, in float64 — or with one of the usual
+    mistakes: no 1/√D scale, query heads paired with key-value heads round-robin, no division
+    by the weights' sum, the softmax over the heads instead of the positions."""
+    num_kv_heads, _, head_dim = keys.shape
+    group = q.shape[0] // num_kv_heads
+    heads = torch.arange(q.shape[0])
+    kv_head = heads // group if grouping == "adjacent" else heads % num_kv_heads
+    k, v = keys.double()[kv_head], values.double()[kv_head]  # (Hq, T, D)
+    scores = (k @ q.double()[:, :, None])[..., 0] * (head_dim**-0.5 if scale else 1.0)  # (Hq, T)
+    weights = (scores - scores.amax(axis, keepdim=True)).exp()
+    if normalize:
+        weights = weights / weights.sum(axis, keepdim=True)
+    return (weights[:, None, :] @ v)[:, 0]  # (Hq, D)
+
+
+def _cache_view(kv_heads: int, positions: int, head_dim: int, dtype: torch.dtype, generator) -> torch.Tensor:
+    """(kv_heads, positions, head_dim) random values as the step passes them: the first
+    ``positions`` rows of a longer cache, a view that is not contiguous in memory."""
+    cache = torch.randn(kv_heads, positions + 3, head_dim, generator=generator).to(dtype)
+    return cache.narrow(1, 0, positions)
+
+
+def check_decode_attention(decode_attention) -> None:
+    """9.2: one query per head against a cache, compared in float64 with the rule itself, on
+    grouped-query shapes (3 query heads per key-value head), a single position, a bf16 cache and
+    scores large enough that exp() overflows unless each row's largest is subtracted first. The
+    keys and values are views into a longer cache, as in the step, and must come back unchanged."""
+    generator = torch.Generator().manual_seed(92)
+    cases = (  # (query heads, kv heads, positions, head_dim, cache dtype, query scale, what)
+        (6, 2, 9, 8, torch.float32, 1.0, "6 query heads sharing 2 key-value heads, 9 positions"),
+        (4, 4, 1, 8, torch.float32, 1.0, "one cached position (the step's own token)"),
+        (6, 3, 5, 16, torch.bfloat16, 1.0, "a bf16 cache"),
+        (2, 1, 7, 8, torch.float32, 400.0, "scores in the hundreds"),
+    )
+    for heads, kv_heads, positions, head_dim, dtype, size, what in cases:
+        q = torch.randn(heads, head_dim, generator=generator) * size
+        keys = _cache_view(kv_heads, positions, head_dim, dtype, generator)
+        values = _cache_view(kv_heads, positions, head_dim, dtype, generator)
+        before = (q.clone(), keys.clone(), values.clone())
+        out = call("9.2", decode_attention, q, keys, values,
+                   hint="keys and values are views of the first positions of a longer cache, not contiguous in "
+                        "memory: use reshape, indexing or broadcasting where .view() refuses")
+        for name, tensor, original in zip(("q", "keys", "values"), (q, keys, values), before):
+            if not torch.equal(tensor, original):
+                fail("9.2", f"{what}: your code changed {name} in place — keys and values are the live KV cache "
+                            "(and for an fp32 cache .float() returns the same tensor, not a copy): compute new "
+                            "tensors instead of writing into the inputs")
+        if not isinstance(out, torch.Tensor):
+            fail("9.2", f"return a tensor, got {type(out).__name__}")
+        if tuple(out.shape) != (heads, head_dim):
+            fail("9.2", f"{what}: the output should be (query heads, head_dim) = {(heads, head_dim)}, got "
+                        f"{tuple(out.shape)}")
+        if out.dtype != torch.float32:
+            fail("9.2", f"{what}: the output should be float32 (the step computes in fp32 whatever the "
+                        f"cache holds), got {out.dtype}")
+        if not torch.isfinite(out).all():
+            fail("9.2", f"{what}: the output holds inf or NaN. exp() of large scores overflows, and with one "
+                        "maximum for all rows a row far below it underflows to 0/0: subtract each row's own "
+                        "largest score before exp() (softmax does not change)")
+        want = _attention_reference(q, keys, values)
+        error = (out.double() - want).abs().max().item()
+        tolerance = 2e-5 * (1 + want.abs().max().item())
+        if error <= tolerance:
+            continue
+        mistakes = (
+            ({"scale": False}, "the scores were not scaled by 1/√head_dim"),
+            ({"grouping": "round-robin"}, "query head h read key-value head h % num_kv_heads: the heads that share "
+                                          "a key-value head are adjacent — head h reads h // (Hq / Hkv)"),
+            ({"normalize": False}, "the weights do not sum to 1: divide exp(scores) by their sum over the "
+                                   "positions"),
+            ({"axis": 0}, "the softmax was taken over the heads: take it over the positions (the last axis of "
+                          "the scores), one distribution per query head"),
+        )
+        for wrong, meaning in mistakes:
+            if (out.double() - _attention_reference(q, keys, values, **wrong)).abs().max().item() <= tolerance:
+                fail("9.2", f"{what}: {meaning}")
+        if dtype == torch.bfloat16 and error <= 0.05 * (1 + want.abs().max().item()):
+            fail("9.2", f"{what}: off by {error:.1e}, about bf16's rounding: convert the cache to fp32 before the "
+                        "products, so that all the arithmetic is fp32")
+        fail("9.2", f"{what}: the output differs from softmax(q·kᵀ/√D)·v by up to {error:.2e}. Check each step "
+                    "against the rule: every query head scores its own key-value head's keys at every position "
+                    "(q·k/√D), a softmax over those positions, and the weighted sum of the values")
+    passed("9.2", "matches softmax(q·kᵀ/√D)·v in float64 on grouped-query and multi-head shapes, one position, a "
+                  "bf16 cache and scores in the hundreds, on views of a longer cache that it leaves unchanged")
