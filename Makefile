@@ -49,8 +49,14 @@ test-fast: venv
 notebooks: venv model
 	$(PY) -m aie_lessons.course.build
 
-## bench: decode speed of our engine vs transformers vs the memory roofline (ratios, one run)
-bench: venv model
+## bench: decode speed of our decoders vs transformers, llama.cpp (the same weights) and the memory
+## roofline (ratios, one run). The first run builds llama-cpp-python from source (a few minutes).
+LLAMA_CPP := $(VENV)/.llama-cpp
+$(LLAMA_CPP): $(STAMP)
+	$(PY) -m pip install -e ".[bench]"
+	touch $@
+
+bench: venv model $(LLAMA_CPP)
 	$(PY) benchmarks/decode.py
 
 ## bench-throughput: continuous vs static batching vs transformers, paged KV vs slots, prefix caching (ratios, one run)

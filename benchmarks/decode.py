@@ -24,7 +24,9 @@ source in a few minutes) is what a user would pick instead. It reads the course'
 API to F32, BF16, Q8_0 and Q4_0 in ``data/cache/llama.cpp/``: both engines decode the same
 weights. Each of our decoders and its llama.cpp counterpart take turns, one whole request each,
 with the same number of threads, and each ratio is the median over rounds. Without the package
-that part is skipped, saying how to install it.
+that part is skipped, saying how to install it. A native build on a CPU with AMX crashed on
+Q8_0 and Q4_0 (0.3.36); the script then loads those without ggml's extra buffers and says
+how to rebuild without AMX, as the figures in the course's notes were measured.
 
     .venv/bin/python benchmarks/decode.py [--tokens 128] [--rounds 5]
 """
@@ -32,7 +34,10 @@ that part is skipped, saying how to install it.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import statistics
+import sys
 import time
 import warnings
 from pathlib import Path
@@ -138,6 +143,20 @@ def interleaved_steps(fast_fp32: FastDecoder, fast_bf16: FastDecoder, prompt_ids
     return roofline_ratios, bf16_ratios
 
 
+@contextlib.contextmanager
+def c_output_to(path: Path) -> Iterator[None]:
+    """Send what C code prints (llama.cpp's quantizer lists every tensor) to ``path``."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    with open(path, "w") as log:
+        os.dup2(log.fileno(), 1)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 1)
+            os.close(saved)
+
+
 def llama_cpp_files(source: Path, folder: Path) -> dict[str, Path]:
     """The course's GGUF requantized by llama.cpp to each of LLAMA_CPP_TYPES, made once."""
     import llama_cpp
@@ -152,12 +171,36 @@ def llama_cpp_files(source: Path, folder: Path) -> dict[str, Path]:
             params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_{'ALL' if name == 'F32' else 'MOSTLY'}_{name}")
             params.allow_requantize = True  # the source is Q4_1: dequantized, then stored as asked
             params.nthread = torch.get_num_threads()
-            scratch = target.with_suffix(".partial")
-            if llama_cpp.llama_model_quantize(str(source).encode(), str(scratch).encode(), params) != 0:
-                raise SystemExit(f"llama.cpp could not quantize {source} to {name}")
+            scratch, log = target.with_suffix(".partial"), target.with_suffix(".log")
+            with c_output_to(log):
+                failed = llama_cpp.llama_model_quantize(str(source).encode(), str(scratch).encode(), params)
+            if failed:
+                raise SystemExit(f"llama.cpp could not quantize {source} to {name}: see {log}")
             scratch.rename(target)
         files[name] = target
     return files
+
+
+@contextlib.contextmanager
+def without_extra_buffers() -> Iterator[None]:
+    """Load llama.cpp models without ggml's extra CPU buffer types (AMX tiles, repacked
+    weights). llama-cpp-python 0.3.36 built natively on an AMX Xeon crashed (a segmentation
+    fault in decode) on Q8_0 and Q4_0 with them; F32 and BF16 ran. The Python wrapper does not
+    expose the switch, so its default parameters are wrapped for the duration."""
+    import llama_cpp.llama_cpp as lib
+
+    defaults = lib.llama_model_default_params
+
+    def no_extra_buffers():
+        params = defaults()
+        params.use_extra_bufts = False
+        return params
+
+    lib.llama_model_default_params = no_extra_buffers
+    try:
+        yield
+    finally:
+        lib.llama_model_default_params = defaults
 
 
 def llama_cpp_speed(llm, prompt_ids: list[int], tokens: int) -> tuple[float, list[int]]:
@@ -183,16 +226,26 @@ def compare_with_llama_cpp(ours: dict[str, FastDecoder], tokenizer: Tokenizer, p
         return []
     from aie_lessons.infra.model_files import GGUF_MEMBER
 
+    import llama_cpp
+
     files = llama_cpp_files(CACHE_DIR / Path(GGUF_MEMBER).name, CACHE_DIR / "llama.cpp")
     threads = torch.get_num_threads()
+    amx = "AMX_INT8 = 1" in llama_cpp.llama_print_system_info().decode()
+    if amx:
+        print("llama.cpp: this build uses AMX, whose buffers crash Q8_0/Q4_0 decoding here: they load without "
+              "ggml's extra buffers (no AMX, no repacking: slower). For the full speed, rebuild without AMX:\n"
+              '  CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON '
+              '-DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON" pip install --force-reinstall '
+              "--no-deps llama-cpp-python==0.3.36", flush=True)
     pairs = dict(zip(ours, LLAMA_CPP_TYPES))  # fp32: F32, bf16: BF16, int8: Q8_0, int4-g32: Q4_0
     speeds: dict[str, list[float]] = {name: [] for name in [*ours, *LLAMA_CPP_TYPES]}
     params = SamplingParams(max_new_tokens=tokens, ignore_eos=True)
     for round_ in range(rounds):
         for name, decoder in ours.items():
             theirs = pairs[name]
-            llm = Llama(str(files[theirs]), n_ctx=len(prompt_ids) + tokens + 8, n_threads=threads,
-                        n_threads_batch=threads, verbose=False)
+            with without_extra_buffers() if amx and theirs in ("Q8_0", "Q4_0") else contextlib.nullcontext():
+                llm = Llama(str(files[theirs]), n_ctx=len(prompt_ids) + tokens + 8, n_threads=threads,
+                            n_threads_batch=threads, verbose=False)
             llama_cpp_speed(llm, prompt_ids, 8)  # warm-up: pages the weights in
             speeds[name].append(decode_speed(lambda p: decoder.generate(tokenizer, prompt_ids, p), tokens))
             speed, chosen = llama_cpp_speed(llm, prompt_ids, tokens)

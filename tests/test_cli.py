@@ -91,13 +91,13 @@ def test_chat_answer_about_france(real_model_dir):
 
 def test_the_four_loops_agree(tiny_untied_dir, monkeypatch):
     """The same tokens and text from every loop, all run with one thread (the tests of each loop
-    on the real model run with every core). The default for one prompt is the compiled one."""
+    on the real model run with every core). The default for a short answer is the cached loop."""
     args = ("generate", "The quick", "--model", str(tiny_untied_dir), "--max-new-tokens", "10", "--json")
-    loops = ("skeleton", "cached", "engine")
-    default, *others = run_json_side_by_side(monkeypatch, args, *((*args, "--loop", loop) for loop in loops))
-    assert len(set(default["token_ids"])) > 3, "the model must produce varied tokens for this to mean anything"
+    loops = ("skeleton", "compiled", "engine")
+    cached, *others = run_json_side_by_side(monkeypatch, args, *((*args, "--loop", loop) for loop in loops))
+    assert len(set(cached["token_ids"])) > 3, "the model must produce varied tokens for this to mean anything"
     for loop, result in zip(loops, others):
-        assert (result["token_ids"], result["text"]) == (default["token_ids"], default["text"]), loop
+        assert (result["token_ids"], result["text"]) == (cached["token_ids"], cached["text"]), loop
 
 
 def test_sampling_flags_sample_reproducibly(tiny_untied_dir, monkeypatch):
@@ -184,67 +184,86 @@ def test_the_cli_names_every_quantization_scheme():
     assert QUANT_SCHEMES == tuple(SCHEMES)
 
 
-def test_the_default_loop_compiles_once_into_data_cache_then_loads(tiny_dir, tmp_path, monkeypatch):
-    """One prompt runs stage 09's compiled decoder by default: the first run says it compiles,
-    the next that it loads, both give stage 04's cached loop's tokens, and the compiled code
-    lands in the course's cache folder — the CLI points inductor there before anything imports
-    it (its default is in /tmp). The folder is redirected here, as data/cache/inductor would be."""
+def test_the_compiled_loop_compiles_once_into_data_cache_then_loads(tiny_dir, tmp_path, monkeypatch):
+    """Stage 09's compiled decoder: the first run says it compiles, the next that it loads, both
+    give stage 04's cached loop's tokens, and the compiled code lands in the course's cache
+    folder — the CLI points inductor there before anything imports it (its default is in /tmp).
+    The folder is redirected here, as data/cache/inductor would be."""
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
     folder = tmp_path / "inductor"
     script = ("import sys; from pathlib import Path; import aie_lessons.infra.compile_cache as cache; "
               f"cache.INDUCTOR_CACHE = Path({str(folder)!r}); from aie_lessons.cli import main; "
               "sys.exit(main(sys.argv[1:]))")
-    args = ("generate", "The quick", "--model", str(tiny_dir), "--max-new-tokens", "6", "--json")
+    args = ("generate", "The quick", "--model", str(tiny_dir), "--max-new-tokens", "6", "--json", "--loop", "compiled")
     first, second = (subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True,
                                     timeout=600) for _ in range(2))
     assert first.returncode == 0 and "compiling the decoder" in first.stderr, first.stderr
     assert second.returncode == 0 and "loading the compiled decoder" in second.stderr, second.stderr
     assert any(folder.glob("fxgraph/*/*")), "inductor wrote nothing into the course's cache folder"
-    cached = json.loads(run(*args, "--loop", "cached").stdout)
+    cached = json.loads(run(*args[:-2], "--loop", "cached").stdout)
     assert json.loads(first.stdout)["token_ids"] == json.loads(second.stdout)["token_ids"] == cached["token_ids"]
 
 
+def long_context_copy(tiny_dir: Path, tmp_path: Path) -> Path:
+    """The tiny checkpoint with room for 2,048 positions (RoPE needs no weights for more), so a
+    request can be long enough for the compiled decoder to be the default."""
+    import shutil
+
+    model_dir = tmp_path / "tiny-long"
+    shutil.copytree(tiny_dir, model_dir)
+    config = json.loads((model_dir / "config.json").read_text())
+    (model_dir / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 2048}))
+    return model_dir
+
+
 def test_a_compiler_that_fails_leaves_the_cached_loop(tiny_dir, tmp_path, monkeypatch):
-    """A compiler that exists but cannot build (here `true`, which writes nothing): the default
-    falls back with a one-line note; an explicit --loop compiled is refused, without a traceback."""
+    """A compiler that exists but cannot build (here `true`, which writes nothing): a long
+    request, compiled by default, falls back with a one-line note; an explicit --loop compiled is
+    refused, without a traceback."""
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "empty"))  # nothing to load: it must compile
     monkeypatch.setenv("CXX", "true")
-    args = ("generate", "The quick", "--model", str(tiny_dir), "--max-new-tokens", "4")
+    args = ("generate", "The quick", "--model", str(long_context_copy(tiny_dir, tmp_path)), "--max-new-tokens",
+            "1024", "--json")
     fallback = run(*args)
     assert fallback.returncode == 0 and "the compiled decoder cannot run here, so the cached loop runs" in fallback.stderr
     assert "Traceback" not in fallback.stderr and "TORCHDYNAMO_VERBOSE" not in fallback.stderr, fallback.stderr
+    assert len(json.loads(fallback.stdout)["token_ids"]) > 0
     refused = run(*args, "--loop", "compiled")
     assert refused.returncode == 2 and "--loop compiled:" in refused.stderr and "Traceback" not in refused.stderr
 
 
-def test_without_a_cpp_compiler_the_default_is_the_cached_loop(tiny_dir, monkeypatch):
+def test_without_a_cpp_compiler_the_compiled_loop_is_refused_and_the_default_says_why(tiny_dir, monkeypatch, capsys):
+    from aie_lessons.cli import _loop, build_parser
+    from aie_lessons.infra import compile_cache
+
     monkeypatch.setenv("CXX", "/nowhere/g++")
-    args = ("generate", "The quick", "--model", str(tiny_dir), "--max-new-tokens", "4")
-    out = run(*args)
-    assert out.returncode == 0 and "no C++ compiler, so the eager cached loop runs" in out.stderr, out.stderr
-    assert "loading the compiled decoder" not in out.stderr and "compiling the decoder" not in out.stderr
-    refused = run(*args, "--loop", "compiled")
+    refused = run("generate", "The quick", "--model", str(tiny_dir), "--max-new-tokens", "4", "--loop", "compiled")
     assert refused.returncode == 2 and "needs a C++ compiler" in refused.stderr and "Traceback" not in refused.stderr
+    monkeypatch.setattr(compile_cache, "cpp_compiler", lambda: None)
+    assert _loop(build_parser().parse_args(["generate", "x", "--max-new-tokens", "1024"]), 1) == "cached"
+    assert "no C++ compiler, so the eager cached loop runs" in capsys.readouterr().err
 
 
-def test_quantized_weights_run_the_compiled_decoder_by_default(tiny_dir, tmp_path):
+def test_quantized_weights_run_through_the_compiled_decoder(tiny_dir, tmp_path):
     """int4-g32 through PyTorch's kernel inside the compiled step."""
     import shutil
 
     model_dir = tmp_path / "tiny"
     shutil.copytree(tiny_dir, model_dir)
     compiled = run("generate", "hello", "--model", str(model_dir), "--max-new-tokens", "6", "--json", "--quant",
-                   "int4-g32")
+                   "int4-g32", "--loop", "compiled")
     assert compiled.returncode == 0 and "ready in" in compiled.stderr, compiled.stderr
     assert len(json.loads(compiled.stdout)["token_ids"]) == 6
 
 
-@pytest.mark.parametrize("flags, loop", [((), "compiled"), (("--quant", "int4-g192"), "cached"),
-                                         (("--activations", "bfloat16"), "cached"), (("x",), "engine"),
-                                         (("--max-new-tokens", "1"), "cached"), (("--quant", "int8"), "compiled")])
+@pytest.mark.parametrize("flags, loop", [((), "cached"), (("--max-new-tokens", "1024"), "compiled"),
+                                         (("--max-new-tokens", "1024", "--quant", "int8"), "compiled"),
+                                         (("--max-new-tokens", "1024", "--quant", "int4-g192"), "cached"),
+                                         (("--max-new-tokens", "1024", "--activations", "bfloat16"), "cached"),
+                                         (("x",), "engine")])
 def test_the_default_loop_is_the_fastest_that_can_run(flags, loop, monkeypatch):
-    """No kernel for int4-g192, no bf16 activations in the compiled step, no decode step to
-    compile for: the cached loop, without a word; several prompts: the engine."""
+    """The compiled decoder where its start-up pays (a long answer) and it can run: no kernel for
+    int4-g192, no bf16 activations in the compiled step; several prompts: the engine."""
     from aie_lessons.cli import _loop, build_parser
     from aie_lessons.infra import compile_cache
 
