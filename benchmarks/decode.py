@@ -145,16 +145,20 @@ def interleaved_steps(fast_fp32: FastDecoder, fast_bf16: FastDecoder, prompt_ids
 
 @contextlib.contextmanager
 def c_output_to(path: Path) -> Iterator[None]:
-    """Send what C code prints (llama.cpp's quantizer lists every tensor) to ``path``."""
+    """Send what C code prints on stdout and stderr (llama.cpp's quantizer lists every tensor)
+    to ``path``."""
     sys.stdout.flush()
-    saved = os.dup(1)
+    sys.stderr.flush()
+    saved = [os.dup(1), os.dup(2)]
     with open(path, "w") as log:
         os.dup2(log.fileno(), 1)
+        os.dup2(log.fileno(), 2)
         try:
             yield
         finally:
-            os.dup2(saved, 1)
-            os.close(saved)
+            for fd, original in zip((1, 2), saved):
+                os.dup2(original, fd)
+                os.close(original)
 
 
 def llama_cpp_files(source: Path, folder: Path) -> dict[str, Path]:
