@@ -145,15 +145,16 @@ def _compiled_loop_refusal(args: argparse.Namespace) -> tuple[str, str] | None:
 # The compiled decoder decodes about 1.4x faster than the cached loop (48 against 34 tokens/s,
 # fp32, the course machine), but a process first spends about 7 s tracing the step and loading
 # inductor's cached code (30 s the very first time, compiling): it overtakes the cached loop
-# only past about 800 tokens. So the default is compiled from this many tokens on; --loop
-# compiled asks for it at any length.
+# only past about 800 tokens. So the default is compiled when at least this many tokens are
+# asked for (--max-new-tokens: an answer may stop sooner); --loop compiled asks for it at any
+# length.
 COMPILED_FROM_TOKENS = 1024
 
 
 def _loop(args: argparse.Namespace, count: int) -> str:
     """The generate loop to run: the engine for several prompts; for one, stage 09's compiled
-    decoder where it can run and its start-up pays (the CPU, at least COMPILED_FROM_TOKENS
-    tokens), else stage 04's cached loop."""
+    decoder where it can run and its start-up can pay (the CPU, at least COMPILED_FROM_TOKENS
+    tokens asked for), else stage 04's cached loop."""
     import torch
 
     if count > 1 and args.loop not in (None, "engine"):
@@ -329,7 +330,7 @@ def _compiled_decoder(args: argparse.Namespace, model: LlamaModel, params: Sampl
     try:
         decoder = (QuantizedFastDecoder if schemes else FastDecoder)(model)
         print("aie generate: " + ("loading the compiled decoder" if marker.exists() else
-                                  "compiling the decoder for this model on this machine (once: about a minute)")
+                                  "compiling the decoder for this model on this machine (once: about 30 s)")
               + f"; cache {folder} ...", end="", file=sys.stderr, flush=True)
         decoder.warm_up(params)
     except (ValueError, torch._dynamo.exc.BackendCompilerFailed) as exc:
@@ -511,7 +512,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="skeleton: stage 01, no KV cache (slow, for comparison); cached: stage 04's "
                           "KV cache (the default for one prompt); compiled: stage 09's compiled decoder "
                           f"(the default from --max-new-tokens {COMPILED_FROM_TOKENS}, where its start-up "
-                          "pays: CPU, float32 activations, a C++ compiler; the first run compiles, later "
+                          "can pay: CPU, float32 activations, a C++ compiler; with --quant its tokens can "
+                          "differ from the cached loop's; the first run compiles, later "
                           "ones load data/cache/inductor); engine: continuous batching (stages 06–07) "
                           "(the default, and the only loop, for several prompts)")
     gen.add_argument("--max-seqs", type=int, default=DEFAULT_MAX_SEQS, metavar="N",

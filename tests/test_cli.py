@@ -11,6 +11,8 @@ import pytest
 
 from side_by_side import two_at_a_time
 
+from aie_lessons.cli import COMPILED_FROM_TOKENS
+
 # The console script `pip install` made, as a user runs it (not `python -m`, which would also put
 # the working directory first on the import path).
 AIE = [str(Path(sys.executable).parent / "aie")]
@@ -204,15 +206,16 @@ def test_the_compiled_loop_compiles_once_into_data_cache_then_loads(tiny_dir, tm
     assert json.loads(first.stdout)["token_ids"] == json.loads(second.stdout)["token_ids"] == cached["token_ids"]
 
 
-def long_context_copy(tiny_dir: Path, tmp_path: Path) -> Path:
-    """The tiny checkpoint with room for 2,048 positions (RoPE needs no weights for more), so a
-    request can be long enough for the compiled decoder to be the default."""
+def copy_of(tiny_dir: Path, tmp_path: Path, **config: object) -> Path:
+    """A copy of the tiny checkpoint (its quantized/ folder is then the test's own), with
+    ``config`` fields changed: ``max_position_embeddings=2048`` gives a request room to be long
+    enough for the compiled decoder to be the default (RoPE needs no weights for more)."""
     import shutil
 
-    model_dir = tmp_path / "tiny-long"
+    model_dir = tmp_path / "tiny-copy"
     shutil.copytree(tiny_dir, model_dir)
-    config = json.loads((model_dir / "config.json").read_text())
-    (model_dir / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 2048}))
+    original = json.loads((model_dir / "config.json").read_text())
+    (model_dir / "config.json").write_text(json.dumps({**original, **config}))
     return model_dir
 
 
@@ -222,8 +225,8 @@ def test_a_compiler_that_fails_leaves_the_cached_loop(tiny_dir, tmp_path, monkey
     refused, without a traceback."""
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "empty"))  # nothing to load: it must compile
     monkeypatch.setenv("CXX", "true")
-    args = ("generate", "The quick", "--model", str(long_context_copy(tiny_dir, tmp_path)), "--max-new-tokens",
-            "1024", "--json")
+    args = ("generate", "The quick", "--model", str(copy_of(tiny_dir, tmp_path, max_position_embeddings=2048)),
+            "--max-new-tokens", "1024", "--json")
     fallback = run(*args)
     assert fallback.returncode == 0 and "the compiled decoder cannot run here, so the cached loop runs" in fallback.stderr
     assert "Traceback" not in fallback.stderr and "TORCHDYNAMO_VERBOSE" not in fallback.stderr, fallback.stderr
@@ -240,26 +243,26 @@ def test_without_a_cpp_compiler_the_compiled_loop_is_refused_and_the_default_say
     refused = run("generate", "The quick", "--model", str(tiny_dir), "--max-new-tokens", "4", "--loop", "compiled")
     assert refused.returncode == 2 and "needs a C++ compiler" in refused.stderr and "Traceback" not in refused.stderr
     monkeypatch.setattr(compile_cache, "cpp_compiler", lambda: None)
-    assert _loop(build_parser().parse_args(["generate", "x", "--max-new-tokens", "1024"]), 1) == "cached"
+    assert _loop(build_parser().parse_args(["generate", "x", *LONG]), 1) == "cached"
     assert "no C++ compiler, so the eager cached loop runs" in capsys.readouterr().err
 
 
 def test_quantized_weights_run_through_the_compiled_decoder(tiny_dir, tmp_path):
     """int4-g32 through PyTorch's kernel inside the compiled step."""
-    import shutil
-
-    model_dir = tmp_path / "tiny"
-    shutil.copytree(tiny_dir, model_dir)
-    compiled = run("generate", "hello", "--model", str(model_dir), "--max-new-tokens", "6", "--json", "--quant",
-                   "int4-g32", "--loop", "compiled")
+    compiled = run("generate", "hello", "--model", str(copy_of(tiny_dir, tmp_path)), "--max-new-tokens", "6",
+                   "--json", "--quant", "int4-g32", "--loop", "compiled")
     assert compiled.returncode == 0 and "ready in" in compiled.stderr, compiled.stderr
     assert len(json.loads(compiled.stdout)["token_ids"]) == 6
 
 
-@pytest.mark.parametrize("flags, loop", [((), "cached"), (("--max-new-tokens", "1024"), "compiled"),
-                                         (("--max-new-tokens", "1024", "--quant", "int8"), "compiled"),
-                                         (("--max-new-tokens", "1024", "--quant", "int4-g192"), "cached"),
-                                         (("--max-new-tokens", "1024", "--activations", "bfloat16"), "cached"),
+LONG = ("--max-new-tokens", str(COMPILED_FROM_TOKENS))
+
+
+@pytest.mark.parametrize("flags, loop", [((), "cached"), (LONG, "compiled"),
+                                         (("--max-new-tokens", str(COMPILED_FROM_TOKENS - 1)), "cached"),
+                                         ((*LONG, "--quant", "int8"), "compiled"),
+                                         ((*LONG, "--quant", "int4-g192"), "cached"),
+                                         ((*LONG, "--activations", "bfloat16"), "cached"),
                                          (("x",), "engine")])
 def test_the_default_loop_is_the_fastest_that_can_run(flags, loop, monkeypatch):
     """The compiled decoder where its start-up pays (a long answer) and it can run: no kernel for
