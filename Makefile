@@ -50,7 +50,8 @@ notebooks: venv model
 	$(PY) -m aie_lessons.course.build
 
 ## bench: decode speed of our decoders vs transformers, llama.cpp (the same weights) and the memory
-## roofline (ratios, one run). The first run builds llama-cpp-python from source (a few minutes).
+## roofline, then the engine's compiled decode step vs the eager engine at 1, 4 and 16 requests
+## (ratios, one run each). The first run builds llama-cpp-python from source (a few minutes).
 LLAMA_CPP := $(VENV)/.llama-cpp
 $(LLAMA_CPP): $(STAMP)
 	$(PY) -m pip install -e ".[bench]" && touch $@ \
@@ -58,6 +59,7 @@ $(LLAMA_CPP): $(STAMP)
 
 bench: venv model $(LLAMA_CPP)
 	$(PY) benchmarks/decode.py
+	$(PY) benchmarks/engine_decode.py
 
 ## bench-throughput: continuous vs static batching vs transformers, paged KV vs slots, prefix caching (ratios, one run)
 bench-throughput: venv model

@@ -39,3 +39,10 @@ def matmul_throughput(dtype: torch.dtype, size: int = 2048, repeats: int = 5) ->
         a, b = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
         product = lambda: a @ b  # noqa: E731
     return 2 * size**3 / best_seconds(product, repeats)
+
+
+def products_seconds(matrices: list[torch.Tensor], rows: int, repeats: int = 3) -> float:
+    """Seconds of one product of ``rows`` fp32 rows by each matrix (N, K), nothing between them:
+    the least time a step of ``rows`` requests through these matrices can take in this library."""
+    inputs = {w.shape[1]: torch.randn(rows, w.shape[1], device=w.device) for w in matrices}
+    return best_seconds(lambda: [torch.nn.functional.linear(inputs[w.shape[1]], w) for w in matrices], repeats)

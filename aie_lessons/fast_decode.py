@@ -186,16 +186,17 @@ computed once and stored. Callers ignore them."""
 
 
 def rope_one_token(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Stage 02's ``apply_rope`` for one position: x (H, D) fp32, cos/sin (D,) -> (H, D).
+    """Stage 02's ``apply_rope`` for one position: x (H, D) fp32, cos/sin (D,) -> (H, D) — or
+    one position per row: x (B, H, D), cos/sin (B, 1, D) (the engine's step, section 6).
 
     The same rotation — coordinates i and i + D/2 turned together — but the half swap is a
-    flip of the (H, 2, D/2) view times (−1, +1), where ``rotate_half`` concatenates: inductor
+    flip of the (…, 2, D/2) view times (−1, +1), where ``rotate_half`` concatenates: inductor
     writes each piece of a ``torch.cat`` in a loop of its own (with a wait after each), while a
     flip is only index arithmetic inside one loop.
     """
-    pairs = x.view(x.shape[0], 2, -1)
-    sign = torch.tensor([-1.0, 1.0], device=x.device).view(1, 2, 1)
-    return x * cos + (pairs.flip(1) * sign).view(x.shape) * sin
+    pairs = x.view(*x.shape[:-1], 2, -1)
+    sign = torch.tensor([-1.0, 1.0], device=x.device).view(2, 1)
+    return x * cos + (pairs.flip(-2) * sign).view(x.shape) * sin
 
 
 def decode_layer(

@@ -35,7 +35,9 @@
 #    turns compute-bound (section 2);
 # 3. measure tokens/s against the batch size, with the prediction drawn (section 3);
 # 4. profile a decode step and an engine step, to see where the time goes (section 4);
-# 5. climb a ladder of decoders, one measured change per rung, toward the roofline (section 5).
+# 5. climb a ladder of decoders, one measured change per rung, toward the roofline (section 5);
+# 6. compile the engine's decode step for a few batch sizes, and measure it against the eager
+#    engine (section 6).
 
 # %%
 # Stages you committed with `aie commit` are imported below; this checks them first.
@@ -1003,16 +1005,17 @@ computed once and stored. Callers ignore them."""
 
 
 def rope_one_token(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Stage 02's ``apply_rope`` for one position: x (H, D) fp32, cos/sin (D,) -> (H, D).
+    """Stage 02's ``apply_rope`` for one position: x (H, D) fp32, cos/sin (D,) -> (H, D) — or
+    one position per row: x (B, H, D), cos/sin (B, 1, D) (the engine's step, section 6).
 
     The same rotation — coordinates i and i + D/2 turned together — but the half swap is a
-    flip of the (H, 2, D/2) view times (−1, +1), where ``rotate_half`` concatenates: inductor
+    flip of the (…, 2, D/2) view times (−1, +1), where ``rotate_half`` concatenates: inductor
     writes each piece of a ``torch.cat`` in a loop of its own (with a wait after each), while a
     flip is only index arithmetic inside one loop.
     """
-    pairs = x.view(x.shape[0], 2, -1)
-    sign = torch.tensor([-1.0, 1.0], device=x.device).view(1, 2, 1)
-    return x * cos + (pairs.flip(1) * sign).view(x.shape) * sin
+    pairs = x.view(*x.shape[:-1], 2, -1)
+    sign = torch.tensor([-1.0, 1.0], device=x.device).view(2, 1)
+    return x * cos + (pairs.flip(-2) * sign).view(x.shape) * sin
 
 
 def decode_layer(
@@ -1342,7 +1345,7 @@ measure_rung("4. compiled step", steps_per_second(rung4.tokens(ladder_prompt, la
 
 # %%
 # NBVAL_IGNORE_OUTPUT
-from aie_lessons.precision import agreement
+from aie_lessons.precision import Agreement, agreement
 
 fp32_logits = rung4.forced_logits(ladder_prompt, reference_tokens)
 agreements = {}
@@ -1557,6 +1560,476 @@ print("every lower-precision rung agrees with fp32 on at least 80% of the steps,
 
 
 # %% [markdown]
+# ## 6. The engine's decode step, compiled
+#
+# The ladder decoded one request. The engine of stages 06–07 decodes many at once: a step in
+# which every running request adds one token is a batch of B rows through the same weights.
+# Section 4's profile showed the eager forward pass is almost all of such a step, so the
+# compiler's gains at batch 1 — fewer operators, no Python between them — should carry over.
+# One thing is new: **the batch size changes from step to step** as requests arrive and finish,
+# and compiled code is specialised to its input shapes. Compiling for every B that shows up
+# would stall the engine each time a new B appears; letting the compiler treat B as a symbol
+# gives up the specialisation. The usual answer (vLLM captures its CUDA graphs the same way) is
+# a few **buckets**: compile for B = 1, 2, 4, 8, 16, …, and pad each step up to the smallest
+# bucket that holds it.
+#
+# ```
+#   running: r0 r1 r2 r3 r4           (5 rows)
+#   bucket:  r0 r1 r2 r3 r4 ·  ·  ·   (8 rows: 3 padding rows, computed and thrown away)
+# ```
+#
+# Padding rows go through every layer, so they write keys and values into the cache like any
+# row — which is where padding can do harm. The compiled runner keeps one **scratch block**
+# beyond the pool that no request ever owns; a padding row writes there, and attends only to
+# that scratch slot, so its arithmetic stays finite and touches nobody.
+#
+# Only decode-only steps take the compiled path. A step with prompt chunks in it runs the eager
+# model, as before: prefill is one step per request, decode is all the others.
+
+# %% [markdown]
+# The step's inputs, one row per running request, and the bucket they pad to:
+
+# %%
+# export: engine.compiled_runner
+"""The engine's decode-only steps, compiled once per batch-size bucket, over stage 07's paged cache."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from aie_lessons.engine.block_manager import PagedAllocator
+from aie_lessons.engine.engine import Engine
+from aie_lessons.engine.paged_batch import PagedBatch
+from aie_lessons.engine.paged_cache import blocks_for_budget, slot_pool_bytes
+from aie_lessons.engine.paged_runner import PagedModelRunner
+from aie_lessons.engine.preemption import PagedScheduler
+from aie_lessons.engine.scheduler import SchedulerConfig
+from aie_lessons.fast_decode import LayerWeights, Stored, pack_weights, rope_one_token
+from aie_lessons.model import LlamaModel, rms_norm, rope_cos_sin
+from aie_lessons.output import stop_token_ids
+from aie_lessons.quantize import QuantizedLinear
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from aie_lessons.tokenizer import Tokenizer
+
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+def bucket_for(rows: int, buckets: tuple[int, ...]) -> int:
+    """The smallest bucket that holds ``rows``: the batch size the step is compiled for."""
+    for bucket in sorted(buckets):
+        if bucket >= rows:
+            return bucket
+    raise ValueError(f"{rows} rows is more than the largest bucket ({max(buckets)}). Fix: add a bucket, or "
+                     f"run at most {max(buckets)} requests at once (max_seqs)")
+
+
+@dataclass
+class DecodeRows:
+    """A decode-only step's inputs: row i is request i's new token (n rows, T the longest context)."""
+
+    ids: torch.Tensor  # (n,) token ids
+    positions: torch.Tensor  # (n,) each token's position (RoPE)
+    slots: torch.Tensor  # (n,) the cache slot each token's keys and values are written to
+    columns: torch.Tensor  # (n, T) the slot of each position a row attends to, padded to T
+    visible: torch.Tensor  # (n, T) bool: which of a row's columns are its own positions
+
+
+def decode_rows(batch: PagedBatch) -> DecodeRows:
+    """The rows of a decode-only ``PagedBatch`` prepared for gathering (``decode="gather"``)."""
+    return DecodeRows(batch.input_ids[0], batch.positions[0], batch.slots, batch.decode_slots,
+                      batch.decode_mask[:, 0, 0])
+
+
+# %% [markdown]
+# ### Exercise 9.3 — pad a step to its bucket
+#
+# `pad_rows(rows, bucket, scratch)` returns the step's rows followed by `bucket - n` padding
+# rows, as a new `DecodeRows`. The real rows come first, unchanged and in order: the runner
+# reads the logits of row i as request i's. A padding row must be harmless: it writes its keys
+# and values into the `scratch` slot (no request owns it), and it must see at least one column
+# (a softmax over no positions is 0 / 0). Its token id must be one the embedding table has.
+# Keep every tensor's dtype and device, and do not change the inputs: they are the batch the
+# engine prepared. When `n == bucket` there is nothing to add.
+
+# %%
+# export: engine.compiled_runner
+
+
+def pad_rows(rows: DecodeRows, bucket: int, scratch: int) -> DecodeRows:
+    """``rows`` followed by ``bucket - n`` padding rows that write and read only slot ``scratch``."""
+    # BEGIN EXERCISE 9.3: return the rows followed by bucket − n padding rows (a new DecodeRows, inputs unchanged): token id 0 and position 0, keys and values written to the scratch slot, and one visible column that is the scratch slot
+    # Hint 1: Every field grows by the same number of rows, each filled with one value: 0 for the ids and positions, the scratch slot for the slots and the columns, False for visibility — then one column per padding row is made visible, so that its softmax has a position to weigh.
+    # Hint 2: t.new_full((pad, *t.shape[1:]), value) makes the padding of tensor t with its dtype and device; torch.cat([t, padding]) appends it below the real rows (a new tensor: the input is untouched); then set visible[n:, 0] = True on the padded copy.
+    pad = bucket - len(rows.ids)
+    if pad == 0:
+        return rows
+
+    def extend(tensor: torch.Tensor, value: Any) -> torch.Tensor:
+        return torch.cat([tensor, tensor.new_full((pad, *tensor.shape[1:]), value)])
+
+    visible = extend(rows.visible, False)
+    visible[len(rows.ids):, 0] = True
+    return DecodeRows(extend(rows.ids, 0), extend(rows.positions, 0), extend(rows.slots, scratch),
+                      extend(rows.columns, scratch), visible)
+    # END EXERCISE 9.3
+
+
+# %%
+# Check exercise 9.3
+checks.stage09.check_pad_rows(pad_rows)
+
+# %% [markdown]
+# The batched step is the ladder's step with a batch dimension: the same fused projections and
+# RoPE, each row's keys and values written at its slot, and attention over each row's gathered
+# columns with the padding masked. A product of B rows by a weight matrix is a real matrix
+# product now, so it is `F.linear` (a BLAS or oneDNN call inside the compiled code) rather
+# than the ladder's broadcast-and-sum, which would read the weights once per row. With bf16
+# weights the product's inputs are rounded to bf16 and multiplied by the CPU's bf16 units
+# (AMX, or AVX-512 BF16), accumulating in fp32 — faster than the eager engine, which converts
+# each weight row to fp32 first, but not the same arithmetic: the cells below measure both.
+
+# %%
+# export: engine.compiled_runner
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x (B, K) fp32 times weight (N, K) transposed -> (B, N) fp32, in the weight's dtype."""
+    return F.linear(x.to(weight.dtype), weight).float()
+
+
+def rows_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+    """Each row's query heads against its own gathered positions: q (B, Hq, D) fp32, keys/values
+    (B, T, Hkv, D), visible (B, T) -> (B, Hq, D) fp32.
+
+    Exercise 9.2's attention with a batch and a mask: rows have different lengths, so the
+    positions past a row's own are masked out before the softmax. Broadcasts and sums again, so
+    that the gather of the columns from the pool fuses into the loops that read them.
+    """
+    rows, _, num_kv_heads, head_dim = keys.shape
+    q = q.view(rows, 1, num_kv_heads, -1, head_dim)  # (B, 1, Hkv, group, D)
+    scores = (q * keys[:, :, :, None].float()).sum(-1) * head_dim**-0.5  # (B, T, Hkv, group)
+    scores = scores.masked_fill(~visible[:, :, None, None], float("-inf"))
+    weights = (scores - scores.amax(dim=1, keepdim=True)).exp()
+    probs = weights / weights.sum(dim=1, keepdim=True)
+    out = (probs[..., None] * values[:, :, :, None].float()).sum(1)  # (B, Hkv, group, D)
+    return out.reshape(rows, -1, head_dim)
+
+
+def rows_layer(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rows: DecodeRows, keys: torch.Tensor,
+    values: torch.Tensor, eps: float, qkv: torch.Tensor, o: torch.Tensor, gate_up: torch.Tensor,
+    down: torch.Tensor, input_norm: torch.Tensor, post_norm: torch.Tensor,
+) -> tuple[torch.Tensor, Stored]:
+    """One decoder layer for B rows: x (B, hidden) fp32, cos/sin (B, 1, D); keys/values are this
+    layer's pool flattened to (slots, Hkv, D), written at ``rows.slots`` in place."""
+    batch, head_dim, num_kv_heads = x.shape[0], cos.shape[-1], keys.shape[1]
+    kv_size = num_kv_heads * head_dim
+    normed = rms_norm(x, input_norm, eps)
+    projected = linear(normed, qkv)
+    q, k, v = projected.split([projected.shape[1] - 2 * kv_size, kv_size, kv_size], dim=1)
+    q = rope_one_token(q.reshape(batch, -1, head_dim), cos, sin)  # (B, Hq, D)
+    k = rope_one_token(k.reshape(batch, num_kv_heads, head_dim), cos, sin)
+    keys.index_copy_(0, rows.slots, k.to(keys.dtype))
+    values.index_copy_(0, rows.slots, v.reshape(batch, num_kv_heads, head_dim).to(values.dtype))
+    attended = rows_attention(q, keys[rows.columns], values[rows.columns], rows.visible)
+    x = x + linear(attended.reshape(batch, -1), o)
+    normed_mid = rms_norm(x, post_norm, eps)
+    gate, up = linear(normed_mid, gate_up).chunk(2, dim=-1)
+    return x + linear(F.silu(gate) * up, down), (normed, normed_mid)
+
+
+def rows_layers(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rows: DecodeRows, eps: float,
+    layers: list[tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...]]],
+) -> tuple[torch.Tensor, Stored]:
+    """``rows_layer`` over a few layers in one compiled call, as the ladder's rung 7."""
+    stored: Stored = ()
+    for keys, values, weights in layers:
+        x, more = rows_layer(x, cos, sin, rows, keys, values, eps, *weights)
+        stored += more
+    return x, stored
+
+
+def rows_head(x: torch.Tensor, norm: torch.Tensor, eps: float, head: torch.Tensor) -> tuple[torch.Tensor, Stored]:
+    """Final norm and output head: logits (B, vocab) fp32, for the sampler."""
+    normed = rms_norm(x, norm, eps)
+    return linear(normed, head), (normed,)
+
+
+# %% [markdown]
+# The runner: stage 07's `PagedModelRunner` with one block more in its cache than its
+# allocator hands out (the scratch block), the weights packed as in rung 6, and a `run` that
+# sends decode-only steps through the compiled functions, padded to their bucket.
+
+# %%
+# export: engine.compiled_runner
+
+
+class CompiledPagedRunner(PagedModelRunner):
+    """A paged runner whose decode-only steps run compiled, padded to batch-size buckets.
+
+    Steps with prompt chunks run the eager model (stage 07's ``run``). Each bucket compiles on
+    first use, or in ``warm_up``; the number of cached positions is a symbol in the compiled
+    code, so a bucket never recompiles as requests grow. ``compile=False`` runs the same step
+    eagerly (to compare). Weights fp32 or bf16, activations fp32; the weights are copied into
+    one packed block, so the model is not changed. Like ``FastDecoder``, a compiling runner
+    raises dynamo's process-wide ``recompile_limit`` to at least 64 (one version per bucket).
+    """
+
+    def __init__(self, model: LlamaModel, num_blocks: int, block_size: int = 16, attention: str = "sdpa",
+                 prefix_caching: bool = True, compile: bool = True, layers_per_call: int = 5,
+                 buckets: tuple[int, ...] = BATCH_BUCKETS):
+        refusal = compiled_step_refusal(model)
+        if refusal:
+            raise ValueError(refusal)
+        if layers_per_call < 1 or not buckets or min(buckets) < 1:
+            raise ValueError(f"layers_per_call ({layers_per_call}) and every bucket ({buckets}) must be at least 1")
+        # One block more than the allocator knows of: the scratch block padding rows write to.
+        super().__init__(model, num_blocks + 1, block_size, attention, None, prefix_caching, decode="gather")
+        self.allocator = PagedAllocator(num_blocks, block_size, prefix_caching)
+        self.scratch_slot = num_blocks * block_size
+        self.buckets = tuple(sorted(buckets))
+        self.block, matrices = pack_weights(model)
+        layers = []
+        for i, layer in enumerate(model.layers):
+            weights = LayerWeights(*matrices[4 * i:4 * i + 4], layer.input_layernorm.weight.detach().float(),
+                                   layer.post_attention_layernorm.weight.detach().float())
+            layers.append((self.cache.keys[i].flatten(0, 1), self.cache.values[i].flatten(0, 1), weights.tensors()))
+        self.calls = [layers[i:i + layers_per_call] for i in range(0, len(layers), layers_per_call)]
+        self.head, self.final_norm = matrices[-1], model.norm.weight.detach().float()
+        self.embed = model.embed_tokens.weight.detach()
+        if compile:
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+            # dynamic=False: each bucket is its own specialised version (the positions axis is
+            # marked dynamic in run, so it alone stays a symbol).
+            compiled = partial(torch.compile, dynamic=False, options={"size_asserts": False})
+            self.rows_layers, self.rows_head = compiled(rows_layers), compiled(rows_head)
+        else:
+            self.rows_layers, self.rows_head = rows_layers, rows_head
+
+    @torch.inference_mode()
+    def run(self, batch: PagedBatch) -> torch.Tensor:
+        """Logits (K, vocab), fp32: compiled when every chunk is one token, eager otherwise."""
+        if batch.chunks or not len(batch.decode_rows):
+            return super().run(batch)
+        rows = decode_rows(batch)
+        logits = self.decode_step(pad_rows(rows, bucket_for(len(rows.ids), self.buckets), self.scratch_slot))
+        if logits.is_cuda:
+            torch.cuda.synchronize(logits.device)
+        return logits[batch.sample_rows]
+
+    def decode_step(self, rows: DecodeRows) -> torch.Tensor:
+        """Logits (B, vocab) fp32 of padded rows, through the compiled functions."""
+        torch._dynamo.mark_dynamic(rows.columns, 1)
+        torch._dynamo.mark_dynamic(rows.visible, 1)
+        cos, sin = (t[0, :, None] for t in rope_cos_sin(rows.positions[None], self.config.head_dim,
+                                                           self.config.rope_theta))  # (B, 1, D)
+        x = self.embed[rows.ids].float()
+        eps = self.config.rms_norm_eps
+        for layers in self.calls:
+            x, _ = self.rows_layers(x, cos, sin, rows, eps, layers)
+        logits, _ = self.rows_head(x, self.final_norm, eps, self.head)
+        return logits
+
+    def warm_up(self, max_rows: int | None = None) -> None:
+        """Compile (or load from inductor's cache) every bucket up to ``max_rows``: a step of
+        padding only, which writes nothing but the scratch block."""
+        empty = torch.empty(0, dtype=torch.long, device=self.device)
+        for bucket in self.buckets:
+            if max_rows is not None and bucket > bucket_for(max_rows, self.buckets):
+                break
+            nothing = DecodeRows(empty, empty, empty, empty.view(0, 2), empty.view(0, 2).bool())
+            for _ in range(2):  # the second call checks that the first left nothing to recompile
+                self.decode_step(pad_rows(nothing, bucket, self.scratch_slot))
+
+
+def compiled_step_refusal(model: LlamaModel) -> str | None:
+    """Why the compiled step cannot run ``model``, or None: it multiplies fp32 or bf16 weights
+    with fp32 activations."""
+    if model.activations != torch.float32:
+        return (f"the compiled step computes in fp32, but this model's activations are {model.activations}. "
+                "Fix: load the model with activations=torch.float32 (the default)")
+    if any(isinstance(m, QuantizedLinear) for m in model.modules()):
+        return ("the compiled step multiplies float weights, and this model has stage 08's quantized layers. "
+                "Fix: run it in the eager engine (paged_engine), or at batch 1 with QuantizedFastDecoder")
+    dtype = model.embed_tokens.weight.dtype
+    if dtype not in (torch.float32, torch.bfloat16):
+        return f"the compiled step takes fp32 or bf16 weights, got {dtype}. Fix: load the model in one of them"
+    return None
+
+
+def compiled_engine(model: LlamaModel, tokenizer: Tokenizer, max_seqs: int = 64, token_budget: int = 256,
+                    kv_bytes: int | None = None, block_size: int = 16, prefix_caching: bool = True,
+                    compile: bool = True, buckets: tuple[int, ...] = BATCH_BUCKETS) -> Engine:
+    """Stage 07's ``paged_engine`` with a ``CompiledPagedRunner``: the same scheduler, sampler and
+    KV budget (the scratch block comes on top of ``kv_bytes``). The step is compiled for the
+    ``buckets`` below ``max_seqs`` and for ``max_seqs`` itself, the largest batch it can get."""
+    dtype = model.embed_tokens.weight.dtype
+    kv_bytes = slot_pool_bytes(model.config, 16, 1024, block_size, dtype) if kv_bytes is None else kv_bytes
+    runner = CompiledPagedRunner(model, blocks_for_budget(model.config, kv_bytes, block_size, dtype), block_size,
+                                 prefix_caching=prefix_caching, compile=compile,
+                                 buckets=tuple(b for b in buckets if b < max_seqs) + (max_seqs,))
+    config = SchedulerConfig(max_seqs, token_budget)
+    return Engine(runner, tokenizer, stop_token_ids(model.config, tokenizer), config, scheduler_class=PagedScheduler)
+
+
+# %% [markdown]
+# Now the engine itself, eager (stage 07's `paged_engine`) against compiled, with 1, 4 and 16
+# requests decoding at once, in fp32 first. Both engines get the same prompts and the same KV
+# budget; `decode_rate` counts only the steps in which every request decodes (prompt steps run
+# the eager model in both), and drops the first two. The compiled engine is given the buckets
+# 1, 4 and 16 only — the batch sizes this cell runs — and warms up first (the cell prints how
+# long that took); a serving engine keeps the default buckets, 1, 2, 4, 8, … up to `max_seqs`.
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+from aie_lessons.engine.paged_runner import PagedModelRunner
+
+ENGINE_ROWS = (1, 4, 16)
+engine_prompts = [tokenizer.encode(f"Lighthouse fact number {i}:") for i in range(max(ENGINE_ROWS))]
+engine_params = SamplingParams(max_new_tokens=48, ignore_eos=True)
+
+
+def decode_rate(engine, running: int) -> tuple[float, list[list[int]]]:
+    """Decode tokens/s of ``engine`` serving the first ``running`` prompts together, and their tokens."""
+    first_step = len(engine.stats)
+    requests = [engine.add_request(prompt, engine_params) for prompt in engine_prompts[:running]]
+    while engine.has_work():
+        engine.step()
+    decoding = [s for s in engine.stats[first_step:] if s.prefill_tokens == 0][2:]
+    return (sum(s.decode_rows for s in decoding) / sum(s.total_s for s in decoding),
+            [r.output_ids for r in requests])
+
+
+def engine_pair(weights_model):
+    """The eager and the compiled engine on ``weights_model``, with the same budget; the compiled one warmed up."""
+    eager = paged_engine(weights_model, tokenizer, max_seqs=max(ENGINE_ROWS), kv_bytes=128 * 2**20)
+    compiled = compiled_engine(weights_model, tokenizer, max_seqs=max(ENGINE_ROWS), kv_bytes=128 * 2**20,
+                               buckets=ENGINE_ROWS)
+    start = time.perf_counter()
+    compiled.runner.warm_up(max(ENGINE_ROWS))
+    print(f"{weights_model.embed_tokens.weight.dtype}: warm-up of {len(compiled.runner.buckets)} buckets "
+          f"(compiling, or loading inductor's cache): {time.perf_counter() - start:.0f} s")
+    return eager, compiled
+
+
+engine_speed = {}  # (weights, running, "eager" or "compiled"): decode tokens/s
+same_engine_tokens = {}
+fp32_engines = engine_pair(model)
+for running in ENGINE_ROWS:
+    (eager_rate, eager_tokens), (compiled_rate, compiled_tokens) = (decode_rate(e, running) for e in fp32_engines)
+    engine_speed["fp32", running, "eager"], engine_speed["fp32", running, "compiled"] = eager_rate, compiled_rate
+    same_engine_tokens[running] = compiled_tokens == eager_tokens
+    print(f"fp32, {running:>2} running: eager {eager_rate:6.1f} tok/s, compiled {compiled_rate:6.1f} "
+          f"({compiled_rate / eager_rate:.2f}x); the same greedy tokens: {same_engine_tokens[running]}")
+
+# %% [markdown]
+# The tokens are the same — padding wrote only to the scratch block — but with 16 rows the gain
+# is small. Section 4's profile of a 16-row step said why: most of it is matrix products, and
+# compiling removes only what lies between them. And these products are thin — 16 rows against
+# matrices 576 columns wide — which the BLAS library runs far below the peak that section 1
+# measured on large square matrices. `products_seconds` times a step's products alone, with
+# the model's own matrices:
+
+# %%
+# export: ceilings
+
+
+def products_seconds(matrices: list[torch.Tensor], rows: int, repeats: int = 3) -> float:
+    """Seconds of one product of ``rows`` fp32 rows by each matrix (N, K), nothing between them:
+    the least time a step of ``rows`` requests through these matrices can take in this library."""
+    inputs = {w.shape[1]: torch.randn(rows, w.shape[1], device=w.device) for w in matrices}
+    return best_seconds(lambda: [torch.nn.functional.linear(inputs[w.shape[1]], w) for w in matrices], repeats)
+
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+from aie_lessons.fast_decode import decode_groups
+
+rows16 = max(ENGINE_ROWS)
+step_matrices = [torch.cat(group) for group in decode_groups(model)]
+products16 = products_seconds(step_matrices, rows16)
+flops16 = sum(2 * rows16 * w.numel() for w in step_matrices)
+eager16, compiled16 = (rows16 / engine_speed["fp32", rows16, kind] for kind in ("eager", "compiled"))
+print(f"the products of a {rows16}-row fp32 step, alone: {products16 * 1e3:.1f} ms, {flops16 / products16 / 1e9:.0f} "
+      f"GFLOP/s ({flops16 / products16 / peaks['fp32']:.0%} of the peak measured on large squares)")
+print(f"the eager step: {eager16 * 1e3:.1f} ms, the compiled step: {compiled16 * 1e3:.1f} ms — with only the products "
+      f"left, a step could be at most {eager16 / products16:.2f}x faster than the eager one")
+del step_matrices
+
+# %% [markdown]
+# In bf16 the products are half the bytes and run on the bf16 units, whose peak section 1
+# measured too. Eager, the engine converts each bf16 weight row to fp32 before the product
+# (stage 04's `Linear`); compiled, the activations are rounded to bf16 instead. So the tokens
+# may differ, and each step is checked instead: `compared_steps` runs every decode step of the
+# compiled bf16 engine both ways on the same cache, and stage 04's `agreement` compares the
+# logits.
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+bf16_engines = engine_pair(bf16_model)
+for running in ENGINE_ROWS:
+    (eager_rate, _), (compiled_rate, _) = (decode_rate(e, running) for e in bf16_engines)
+    engine_speed["bf16", running, "eager"], engine_speed["bf16", running, "compiled"] = eager_rate, compiled_rate
+    print(f"bf16, {running:>2} running: eager {eager_rate:6.1f} tok/s, compiled {compiled_rate:6.1f} "
+          f"({compiled_rate / eager_rate:.2f}x), {compiled_rate / engine_speed['fp32', running, 'eager']:.2f}x "
+          "the eager fp32 engine")
+
+
+def compared_steps(engine, running: int) -> Agreement:
+    """``agreement`` of the eager and the compiled logits of every decode step of ``running`` requests."""
+    runner, eager, compiled = engine.runner, [], []
+
+    def both(batch):
+        logits = CompiledPagedRunner.run(runner, batch)
+        if not batch.chunks:  # the eager step after the compiled one: the same cache, rewritten alike
+            eager.append(PagedModelRunner.run(runner, batch))
+            compiled.append(logits)
+        return logits
+
+    runner.run = both
+    try:
+        decode_rate(engine, running)
+    finally:
+        del runner.run
+    return agreement(torch.cat(eager), torch.cat(compiled))
+
+
+bf16_agreement = compared_steps(bf16_engines[1], rows16)
+print(f"bf16, compiled against eager on {bf16_agreement.positions} rows of decode steps: top-1 "
+      f"{bf16_agreement.top1:.0%}, mean KL {bf16_agreement.mean_kl:.1e}")
+del fp32_engines, bf16_engines
+
+# %%
+fig, ax = plt.subplots(figsize=(6.5, 3.6))
+width = 0.2
+for i, (weights, kind) in enumerate([(w, k) for w in ("fp32", "bf16") for k in ("eager", "compiled")]):
+    ax.bar([j + (i - 1.5) * width for j in range(len(ENGINE_ROWS))],
+           [engine_speed[weights, r, kind] for r in ENGINE_ROWS], width, label=f"{weights}, {kind}",
+           color=["tab:blue", "tab:orange"][kind == "compiled"], alpha=1.0 if weights == "bf16" else 0.55)
+ax.set_xticks(range(len(ENGINE_ROWS)), [f"{r} running" for r in ENGINE_ROWS])
+ax.set_ylabel("decode tokens/s (all requests)")
+ax.set_title("The engine's decode step: eager against compiled")
+ax.legend(fontsize=8)
+fig.tight_layout()
+plt.show()
+
+# %%
+print("the compiled fp32 engine kept the eager engine's greedy tokens at", ENGINE_ROWS, ":",
+      all(same_engine_tokens.values()))
+print("compiled bf16 agrees with eager bf16 on at least 90% of the steps' next tokens, mean KL under 0.01:",
+      bf16_agreement.top1 >= 0.9 and bf16_agreement.mean_kl < 0.01)
+
+
+# %% [markdown]
 # ## Summary
 #
 # * The roofline: attainable speed is the lesser of the arithmetic peak and bandwidth ×
@@ -1571,5 +2044,9 @@ print("every lower-precision rung agrees with fp32 on at least 80% of the steps,
 #   projections, the compiler, bf16 weights in fp32 arithmetic, packing in reading order, fewer
 #   compiled calls and integer weights — each rung measured against its own roofline
 #   (`fast_decode`: `FastDecoder`, `QuantizedFastDecoder`).
+# * The engine's decode step compiled per batch-size bucket, padding rows kept harmless by a
+#   scratch block (your `pad_rows`, 9.3): in fp32 the thin products of 16 rows are most of the
+#   step, so compiling gains little; in bf16 the products run on the bf16 units
+#   (`engine.compiled_runner`: `CompiledPagedRunner`, `compiled_engine`).
 #
 # Commit the stage with `aie commit 09`.

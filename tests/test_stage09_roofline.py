@@ -189,3 +189,54 @@ def test_op_costs_count_the_integer_kernels_like_mm():
         layer(x)  # the kernel's layout is made on first use
         kernels = [c for c in op_costs(lambda: layer(x)) if c.name.startswith("_weight_int")]
         assert len(kernels) == 1 and kernels[0].flops == 2 * 3 * 64 * 32, scheme
+
+
+# --- 9.3: padding an engine step to its bucket ------------------------------------------------------
+
+
+def test_the_reference_pad_rows_passes_its_check():
+    from aie_lessons.engine.compiled_runner import pad_rows
+
+    checks.check_pad_rows(pad_rows)
+
+
+def _pad(rows, bucket, scratch, *, slot=None, id_=0, seen=1, first=False, rows_out=None, width=0,
+         visible_dtype=None, in_place=False):
+    """pad_rows with one of the usual mistakes switched on."""
+    from aie_lessons.engine.compiled_runner import DecodeRows
+
+    pad = (bucket if rows_out is None else rows_out) - len(rows.ids)
+    if in_place:
+        rows.visible[:, -1] = True  # meant for the padded copy
+    if pad <= 0:
+        return rows
+
+    def extend(tensor, value, columns=0):
+        padding = tensor.new_full((pad, *tensor.shape[1:]), value)
+        if columns:
+            padding = tensor.new_full((pad, tensor.shape[1] + columns), value)
+            tensor = torch.cat([tensor, tensor.new_full((len(tensor), columns), value)], 1)
+        return torch.cat([padding, tensor] if first else [tensor, padding])
+
+    visible = extend(rows.visible, False, width)
+    padded = slice(0, pad) if first else slice(len(rows.ids), None)
+    visible[padded, :seen] = True
+    if visible_dtype is not None:
+        visible = visible.to(visible_dtype)
+    return DecodeRows(extend(rows.ids, id_), extend(rows.positions, 0), extend(rows.slots, scratch if slot is None else slot),
+                      extend(rows.columns, scratch, width), visible)
+
+
+@mutants("9.3", [
+    (lambda r, b, s: _pad(r, b, s, slot=0), "slot 0, which a request may own"),
+    (lambda r, b, s: _pad(r, b, s, seen=0), "sees no column"),
+    (lambda r, b, s: _pad(r, b, s, first=True), "should be the step's rows, unchanged and in order"),
+    (lambda r, b, s: _pad(r, b, s, rows_out=b + 1), "should have \\d+ rows"),
+    (lambda r, b, s: _pad(r, b, s, width=1), "keep the columns' width"),
+    (lambda r, b, s: _pad(r, b, s, visible_dtype=torch.long), "should stay torch.bool"),
+    (lambda r, b, s: _pad(r, b, s, id_=-1), "padding token id -1"),
+    (lambda r, b, s: _pad(r, b, s, in_place=True), "changed rows.visible in place"),
+])
+def test_pad_rows_mistakes_are_named(wrong, message):
+    with names_the_mistake("9.3", message):
+        checks.check_pad_rows(wrong)

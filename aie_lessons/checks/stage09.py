@@ -1,4 +1,5 @@
-"""Checks for stage 09: a decode step's FLOPs and bytes (9.1) and decode attention (9.2).
+"""Checks for stage 09: a decode step's FLOPs and bytes (9.1), decode attention (9.2) and the
+padding of an engine step to its batch bucket (9.3).
 
 The expected FLOPs are not computed from a formula here: ``FlopCounterMode`` counts the matrix
 products of a real decode step of small random models (several shapes: tied and untied heads,
@@ -233,3 +234,70 @@ def check_decode_attention(decode_attention) -> None:
                     "(q·k/√D), a softmax over those positions, and the weighted sum of the values")
     passed("9.2", "matches softmax(q·kᵀ/√D)·v in float64 on grouped-query and multi-head shapes, one position, a "
                   "bf16 cache and scores in the hundreds, on views of a longer cache that it leaves unchanged")
+
+
+def _rows(n: int, width: int, generator: torch.Generator):
+    """A decode step's rows as the engine prepares them: n requests of random lengths ≤ width,
+    each reading its own slots (below 1000; the scratch slot is 1000)."""
+    from aie_lessons.engine.compiled_runner import DecodeRows
+
+    lengths = torch.randint(1, width + 1, (n,), generator=generator)
+    lengths[0] = width  # the longest row sets the width
+    columns = torch.randint(0, 1000, (n, width), generator=generator)
+    visible = torch.arange(width)[None, :] < lengths[:, None]
+    return DecodeRows(torch.randint(1, 500, (n,), generator=generator), lengths - 1,
+                      columns[torch.arange(n), lengths - 1], columns, visible)
+
+
+FIELDS = ("ids", "positions", "slots", "columns", "visible")
+
+
+def check_pad_rows(pad_rows) -> None:
+    """9.3: steps of 1, 3, 5 and 16 rows padded to their buckets (and a step that fills its bucket):
+    the real rows first and unchanged, the inputs untouched, every tensor's dtype kept, and each
+    padding row writing only the scratch slot, seeing at least one column, with a valid token id."""
+    generator = torch.Generator().manual_seed(93)
+    scratch = 1000
+    for n, width, bucket in ((3, 7, 4), (1, 1, 2), (5, 12, 16), (16, 9, 16)):
+        rows = _rows(n, width, generator)
+        before = {name: getattr(rows, name).clone() for name in FIELDS}
+        what = f"{n} rows of up to {width} positions padded to {bucket}"
+        out = call("9.3", pad_rows, rows, bucket, scratch)
+        for name in FIELDS:
+            if not torch.equal(getattr(rows, name), before[name]):
+                fail("9.3", f"{what}: your code changed rows.{name} in place — the rows are the batch the engine "
+                            "prepared: build new tensors (torch.cat makes one) instead of writing into them")
+        if not all(isinstance(getattr(out, name, None), torch.Tensor) for name in FIELDS):
+            fail("9.3", f"return a DecodeRows (ids, positions, slots, columns, visible), got {type(out).__name__}")
+        for name in FIELDS:
+            got, original = getattr(out, name), before[name]
+            want = (bucket, *original.shape[1:])
+            if tuple(got.shape) != want:
+                fail("9.3", f"{what}: {name} should have {bucket} rows, shape {want}, got {tuple(got.shape)} — "
+                            "pad every field by bucket − n rows, and keep the columns' width")
+            if got.dtype != original.dtype:
+                fail("9.3", f"{what}: {name} should stay {original.dtype}, got {got.dtype} — new_full or new_zeros "
+                            "on the input tensor keeps its dtype and device")
+            if not torch.equal(got[:n], original):
+                fail("9.3", f"{what}: the first {n} rows of {name} should be the step's rows, unchanged and in order "
+                            "— the runner reads row i's logits as request i's: put the padding after them")
+        pad = slice(n, bucket)
+        slots = out.slots[pad]
+        if (slots != scratch).any():
+            slot = int(slots[slots != scratch][0])
+            fail("9.3", f"{what}: a padding row writes its keys and values into slot {slot}, which a request may "
+                        f"own — and the next step would read what the padding wrote there. Write padding rows into "
+                        f"the scratch slot ({scratch}), which no request owns")
+        if (out.visible[pad].sum(-1) < 1).any():
+            fail("9.3", f"{what}: a padding row sees no column: its softmax over no positions is 0 / 0 = NaN. Make "
+                        "one column (the first) visible, pointing at the scratch slot")
+        first_visible = out.columns[pad].gather(1, out.visible[pad].int().argmax(-1, keepdim=True))
+        if (first_visible != scratch).any():
+            fail("9.3", f"{what}: a padding row's visible column is slot {int(first_visible.flatten()[0])}, not the "
+                        f"scratch slot ({scratch}): pad the columns with the scratch slot too")
+        ids = out.ids[pad]
+        if ((ids < 0) | (ids > before["ids"].max())).any():
+            fail("9.3", f"{what}: padding token id {int(ids.min() if (ids < 0).any() else ids.max())} may not be "
+                        "in the embedding table: pad with 0, an id every vocabulary has")
+    passed("9.3", "pads 1, 3, 5 and 16 rows to their buckets: real rows first and unchanged, inputs untouched, "
+                  "dtypes kept, padding written to and read from the scratch slot only, one visible column each")
