@@ -9,7 +9,7 @@ MODEL  := data/models/smollm2-135m-instruct/aie-source.json
 STAMP  := $(VENV)/.installed
 NBVAL  := --nbval --nbval-current-env --nbval-sanitize-with solutions/sanitize.cfg -p aie_lessons.course.nbval_plugin
 
-.PHONY: lab test test-fast notebooks bench bench-throughput model venv clean
+.PHONY: lab test test-fast notebooks bench bench-gpu bench-throughput model venv clean
 
 venv: $(STAMP)
 $(STAMP): pyproject.toml
@@ -60,6 +60,13 @@ $(LLAMA_CPP): $(STAMP)
 bench: venv model $(LLAMA_CPP)
 	$(PY) benchmarks/decode.py
 	$(PY) benchmarks/engine_decode.py
+
+## bench-gpu: on a machine with a CUDA GPU, stage 05's and stage 07's Triton kernels vs PyTorch's SDPA and
+## the engine's decode step, eager vs compiled (each script says "skipped" without a GPU)
+bench-gpu: venv model
+	$(PY) benchmarks/flash_attention.py
+	$(PY) benchmarks/paged_attention.py
+	$(PY) benchmarks/engine_decode.py --device cuda --rows 1,16,64
 
 ## bench-throughput: continuous vs static batching vs transformers, paged KV vs slots, prefix caching (ratios, one run)
 bench-throughput: venv model

@@ -10,39 +10,52 @@ from collections.abc import Callable
 import torch
 
 
-def best_seconds(call: Callable[[], object], repeats: int) -> float:
-    """The fastest of ``repeats`` calls after one warm-up call (which may fault pages in)."""
+def best_seconds(call: Callable[[], object], repeats: int, device: torch.device | str = "cpu") -> float:
+    """The fastest of ``repeats`` calls after one warm-up call (which may fault pages in). On a
+    GPU, which runs asynchronously, each call is waited for, so the time is the GPU's."""
+    def wait() -> None:
+        if torch.device(device).type == "cuda":
+            torch.cuda.synchronize(device)
+
     call()
+    wait()
     best = float("inf")
     for _ in range(repeats):
         start = time.perf_counter()
         call()
+        wait()
         best = min(best, time.perf_counter() - start)
     return best
 
 
-def copy_bandwidth(megabytes: int = 256, repeats: int = 5) -> float:
+def copy_bandwidth(megabytes: int = 256, repeats: int = 5, device: torch.device | str = "cpu") -> float:
     """Bytes per second that a copy moves, reads and writes both counted."""
-    source = torch.ones(megabytes * 2**20 // 4)
+    source = torch.ones(megabytes * 2**20 // 4, device=device)
     target = torch.empty_like(source)
-    return 2 * source.nbytes / best_seconds(lambda: target.copy_(source), repeats)
+    return 2 * source.nbytes / best_seconds(lambda: target.copy_(source), repeats, device)
 
 
-def matmul_throughput(dtype: torch.dtype, size: int = 2048, repeats: int = 5) -> float:
+def matmul_throughput(dtype: torch.dtype, size: int = 2048, repeats: int = 5, device: torch.device | str = "cpu") -> float:
     """Operations per second of a ``size``-square matrix product (2·size³ per product): FLOP/s
     in floating point, integer operations per second for ``torch.int8`` (``torch._int_mm``)."""
     if dtype == torch.int8:
-        a = torch.randint(-128, 128, (size, size), dtype=torch.int8)
-        b = torch.randint(-128, 128, (size, size), dtype=torch.int8)
+        a = torch.randint(-128, 128, (size, size), dtype=torch.int8, device=device)
+        b = torch.randint(-128, 128, (size, size), dtype=torch.int8, device=device)
         product = lambda: torch._int_mm(a, b)  # noqa: E731 - int8 in, int32 out
     else:
-        a, b = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
+        a, b = (torch.randn(size, size, dtype=dtype, device=device) for _ in range(2))
         product = lambda: a @ b  # noqa: E731
-    return 2 * size**3 / best_seconds(product, repeats)
+    return 2 * size**3 / best_seconds(product, repeats, device)
 
 
 def products_seconds(matrices: list[torch.Tensor], rows: int, repeats: int = 3) -> float:
-    """Seconds of one product of ``rows`` fp32 rows by each matrix (N, K), nothing between them:
-    the least time a step of ``rows`` requests through these matrices can take in this library."""
-    inputs = {w.shape[1]: torch.randn(rows, w.shape[1], device=w.device) for w in matrices}
-    return best_seconds(lambda: [torch.nn.functional.linear(inputs[w.shape[1]], w) for w in matrices], repeats)
+    """Seconds of one product of ``rows`` rows by each matrix (N, K), in the matrix's dtype, with
+    nothing between them: the least time a step of ``rows`` requests through these matrices can
+    take in this library."""
+    inputs = {(w.shape[1], w.dtype): torch.randn(rows, w.shape[1], dtype=w.dtype, device=w.device) for w in matrices}
+
+    def products() -> None:
+        for w in matrices:
+            torch.nn.functional.linear(inputs[w.shape[1], w.dtype], w)
+
+    return best_seconds(products, repeats, matrices[0].device if matrices else "cpu")

@@ -74,6 +74,14 @@ class LayerWeights:
         return self.qkv, self.o, self.gate_up, self.down, self.input_norm, self.post_norm
 
 
+def layer_weights(model: LlamaModel, matrices: list[Any]) -> list[LayerWeights]:
+    """Each layer's ``LayerWeights``: its four matrices from ``matrices`` (one per
+    ``decode_groups`` group, as a decoder packed them) and its two norms in fp32."""
+    return [LayerWeights(*matrices[4 * i:4 * i + 4], layer.input_layernorm.weight.detach().float(),
+                         layer.post_attention_layernorm.weight.detach().float())
+            for i, layer in enumerate(model.layers)]
+
+
 HUGE_PAGE = 2 * 2**20  # bytes in one x86-64 / arm64 huge page
 
 
@@ -300,11 +308,7 @@ class FastDecoder:
         self.layers_per_call, self.packed = layers_per_call, packed
         self.model = model
         matrices = self.pack(model)
-        self.layers = [
-            LayerWeights(*matrices[4 * i:4 * i + 4], layer.input_layernorm.weight.detach().float(),
-                         layer.post_attention_layernorm.weight.detach().float())
-            for i, layer in enumerate(model.layers)
-        ]
+        self.layers = layer_weights(model, matrices)
         self.head = matrices[-1]
         self.embed = model.embed_tokens.weight.detach()
         self.final_norm = model.norm.weight.detach().float()

@@ -19,7 +19,7 @@ removes what lies between them: the products are timed alone and the bound they 
 OpenMP threads wait passively here (``OMP_WAIT_POLICY=PASSIVE`` unless the environment sets it),
 as in ``benchmarks/throughput.py``.
 
-    .venv/bin/python benchmarks/engine_decode.py [--rows 1,4,16] [--new-tokens 64] [--rounds 3]
+    .venv/bin/python benchmarks/engine_decode.py [--rows 1,4,16] [--new-tokens 64] [--rounds 3] [--device cuda]
 """
 
 from __future__ import annotations
@@ -35,8 +35,8 @@ import torch  # noqa: E402
 from aie_lessons.ceilings import products_seconds  # noqa: E402
 from aie_lessons.engine.compiled_runner import compiled_engine  # noqa: E402
 from aie_lessons.engine.engine import Engine  # noqa: E402
-from aie_lessons.fast_decode import decode_groups  # noqa: E402
 from aie_lessons.engine.paged_engine import paged_engine  # noqa: E402
+from aie_lessons.fast_decode import decode_groups  # noqa: E402
 from aie_lessons.infra.paths import default_model_dir  # noqa: E402
 from aie_lessons.model import LlamaModel  # noqa: E402
 from aie_lessons.sampling import SamplingParams  # noqa: E402
@@ -63,20 +63,26 @@ def main() -> None:
     parser.add_argument("--rows", default="1,4,16", help="running requests to measure, comma-separated")
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda (then `--rows 1,16,64` is worth a look)")
     args = parser.parse_args()
     rows = sorted(int(r) for r in args.rows.split(","))
     if args.new_tokens < 4 or args.rounds < 1 or rows[0] < 1:
         parser.error("--new-tokens must be at least 4, --rounds and every --rows value at least 1")
+    if torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
+        print("skipped: --device cuda, and there is no CUDA GPU on this machine (--device cpu measures the CPU)")
+        return
     model_dir = default_model_dir()
     tokenizer = Tokenizer.from_pretrained(model_dir)
     prompts = [tokenizer.encode(f"Lighthouse fact number {i}:") for i in range(rows[-1])]
     params = SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True)
     speed: dict[tuple[str, int, str], float] = {}
     notes: dict[tuple[str, int], str] = {}
+    products: list[float] = []  # seconds of a largest-batch fp32 step's products alone, one per round
     for weights, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
-        model = LlamaModel.from_pretrained(model_dir, dtype=dtype)
+        model = LlamaModel.from_pretrained(model_dir, dtype=dtype, device=args.device)
         eager = paged_engine(model, tokenizer, max_seqs=rows[-1], kv_bytes=KV_BYTES)
         compiled = compiled_engine(model, tokenizer, max_seqs=rows[-1], kv_bytes=KV_BYTES, buckets=tuple(rows))
+        matrices = [torch.cat(group) for group in decode_groups(model)]  # the step's products, timed alone
         start = time.perf_counter()
         compiled.runner.warm_up()
         print(f"{weights}: compiled buckets {compiled.runner.buckets} in {time.perf_counter() - start:.0f} s "
@@ -84,10 +90,13 @@ def main() -> None:
         for running in rows:
             rates: dict[str, list[float]] = {"eager": [], "compiled": []}
             tokens = {}
-            for _ in range(args.rounds):
-                for kind, engine in (("eager", eager), ("compiled", compiled)):
+            for round_ in range(args.rounds):
+                pair = (("eager", eager), ("compiled", compiled))
+                for kind, engine in pair if round_ % 2 == 0 else pair[::-1]:  # neither always first
                     rate, tokens[kind] = decode_rate(engine, prompts[:running], params)
                     rates[kind].append(rate)
+                if weights == "fp32" and running == rows[-1]:  # in the same rounds, as the machine drifts
+                    products.append(products_seconds(matrices, running))
             for kind, values in rates.items():
                 speed[weights, running, kind] = statistics.median(values)
             same = sum(a == b for a, b in zip(tokens["eager"], tokens["compiled"]))
@@ -97,24 +106,28 @@ def main() -> None:
             notes[weights, running] = f"{same}/{running} requests with the same tokens"
             print(f"{weights}, {running:>2} running: eager {speed[weights, running, 'eager']:7.1f} tok/s, compiled "
                   f"{speed[weights, running, 'compiled']:7.1f}; {notes[weights, running]}", flush=True)
-        del model, eager, compiled
+        del model, eager, compiled, matrices
     print()
     print(f"{'ratio':<44}" + "".join(f"{r:>8} running" for r in rows))
     lines = {"compiled fp32 / eager fp32": ("fp32", "fp32"), "compiled bf16 / eager bf16": ("bf16", "bf16"),
-             "compiled bf16 / eager fp32 (the course default)": ("bf16", "fp32")}
+             "compiled bf16 / eager fp32 (stage 07's engine)": ("bf16", "fp32")}
     for name, (mine, theirs) in lines.items():
         print(f"{name:<44}" + "".join(f"{speed[mine, r, 'compiled'] / speed[theirs, r, 'eager']:>16.2f}" for r in rows))
     largest = rows[-1]
-    matrices = [torch.cat(group) for group in decode_groups(LlamaModel.from_pretrained(model_dir))]
-    products = products_seconds(matrices, largest)
-    eager_step = largest / speed["fp32", largest, "eager"]
-    print(f"\nfp32 at {largest} rows: the step's products alone take {products * 1e3:.1f} ms, the eager step "
-          f"{eager_step * 1e3:.1f} ms: compiling what lies between them can give at most {eager_step / products:.2f}x")
+    alone = statistics.median(products)
+    eager_step, compiled_step = (largest / speed["fp32", largest, kind] for kind in ("eager", "compiled"))
+    print(f"\nfp32 at {largest} rows: the step's products alone take {alone * 1e3:.1f} ms, the eager step "
+          f"{eager_step * 1e3:.1f} ms, the compiled step {compiled_step * 1e3:.1f} ms: compiling what lies between the "
+          f"products can give at most {eager_step / alone:.2f}x")
+    if largest != 16:
+        print("target: judged at 16 running requests; add 16 to --rows to judge it")
+        return
     ratios = {w: speed[w, largest, "compiled"] / speed[w, largest, "eager"] for w in ("fp32", "bf16")}
     met = [w for w, ratio in ratios.items() if ratio >= TARGET]
-    print(f"target: compiled ≥ {TARGET}x eager at {largest} running, the same weights: "
+    print(f"target: compiled ≥ {TARGET}x eager at 16 running, the same weights: "
           + ", ".join(f"{w} {ratio:.2f}x" for w, ratio in ratios.items())
           + (f" — met with {' and '.join(met)} weights" if met else " — MISSED"))
+
 
 if __name__ == "__main__":
     main()

@@ -37,7 +37,9 @@
 # 4. profile a decode step and an engine step, to see where the time goes (section 4);
 # 5. climb a ladder of decoders, one measured change per rung, toward the roofline (section 5);
 # 6. compile the engine's decode step for a few batch sizes, and measure it against the eager
-#    engine (section 6).
+#    engine (section 6);
+# 7. on a GPU, where there is one: its ceilings, the Triton kernels of stages 05 and 07 against
+#    PyTorch, and the engine's decode speed (section 7).
 
 # %%
 # Stages you committed with `aie commit` are imported below; this checks them first.
@@ -98,35 +100,42 @@ from collections.abc import Callable
 import torch
 
 
-def best_seconds(call: Callable[[], object], repeats: int) -> float:
-    """The fastest of ``repeats`` calls after one warm-up call (which may fault pages in)."""
+def best_seconds(call: Callable[[], object], repeats: int, device: torch.device | str = "cpu") -> float:
+    """The fastest of ``repeats`` calls after one warm-up call (which may fault pages in). On a
+    GPU, which runs asynchronously, each call is waited for, so the time is the GPU's."""
+    def wait() -> None:
+        if torch.device(device).type == "cuda":
+            torch.cuda.synchronize(device)
+
     call()
+    wait()
     best = float("inf")
     for _ in range(repeats):
         start = time.perf_counter()
         call()
+        wait()
         best = min(best, time.perf_counter() - start)
     return best
 
 
-def copy_bandwidth(megabytes: int = 256, repeats: int = 5) -> float:
+def copy_bandwidth(megabytes: int = 256, repeats: int = 5, device: torch.device | str = "cpu") -> float:
     """Bytes per second that a copy moves, reads and writes both counted."""
-    source = torch.ones(megabytes * 2**20 // 4)
+    source = torch.ones(megabytes * 2**20 // 4, device=device)
     target = torch.empty_like(source)
-    return 2 * source.nbytes / best_seconds(lambda: target.copy_(source), repeats)
+    return 2 * source.nbytes / best_seconds(lambda: target.copy_(source), repeats, device)
 
 
-def matmul_throughput(dtype: torch.dtype, size: int = 2048, repeats: int = 5) -> float:
+def matmul_throughput(dtype: torch.dtype, size: int = 2048, repeats: int = 5, device: torch.device | str = "cpu") -> float:
     """Operations per second of a ``size``-square matrix product (2·size³ per product): FLOP/s
     in floating point, integer operations per second for ``torch.int8`` (``torch._int_mm``)."""
     if dtype == torch.int8:
-        a = torch.randint(-128, 128, (size, size), dtype=torch.int8)
-        b = torch.randint(-128, 128, (size, size), dtype=torch.int8)
+        a = torch.randint(-128, 128, (size, size), dtype=torch.int8, device=device)
+        b = torch.randint(-128, 128, (size, size), dtype=torch.int8, device=device)
         product = lambda: torch._int_mm(a, b)  # noqa: E731 - int8 in, int32 out
     else:
-        a, b = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
+        a, b = (torch.randn(size, size, dtype=dtype, device=device) for _ in range(2))
         product = lambda: a @ b  # noqa: E731
-    return 2 * size**3 / best_seconds(product, repeats)
+    return 2 * size**3 / best_seconds(product, repeats, device)
 
 
 # %%
@@ -855,6 +864,14 @@ class LayerWeights:
         return self.qkv, self.o, self.gate_up, self.down, self.input_norm, self.post_norm
 
 
+def layer_weights(model: LlamaModel, matrices: list[Any]) -> list[LayerWeights]:
+    """Each layer's ``LayerWeights``: its four matrices from ``matrices`` (one per
+    ``decode_groups`` group, as a decoder packed them) and its two norms in fp32."""
+    return [LayerWeights(*matrices[4 * i:4 * i + 4], layer.input_layernorm.weight.detach().float(),
+                         layer.post_attention_layernorm.weight.detach().float())
+            for i, layer in enumerate(model.layers)]
+
+
 HUGE_PAGE = 2 * 2**20  # bytes in one x86-64 / arm64 huge page
 
 
@@ -1119,11 +1136,7 @@ class FastDecoder:
         self.layers_per_call, self.packed = layers_per_call, packed
         self.model = model
         matrices = self.pack(model)
-        self.layers = [
-            LayerWeights(*matrices[4 * i:4 * i + 4], layer.input_layernorm.weight.detach().float(),
-                         layer.post_attention_layernorm.weight.detach().float())
-            for i, layer in enumerate(model.layers)
-        ]
+        self.layers = layer_weights(model, matrices)
         self.head = matrices[-1]
         self.embed = model.embed_tokens.weight.detach()
         self.final_norm = model.norm.weight.detach().float()
@@ -1595,7 +1608,9 @@ print("every lower-precision rung agrees with fp32 on at least 80% of the steps,
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any
 
@@ -1609,7 +1624,7 @@ from aie_lessons.engine.paged_cache import blocks_for_budget, slot_pool_bytes
 from aie_lessons.engine.paged_runner import PagedModelRunner
 from aie_lessons.engine.preemption import PagedScheduler
 from aie_lessons.engine.scheduler import SchedulerConfig
-from aie_lessons.fast_decode import LayerWeights, Stored, pack_weights, rope_one_token
+from aie_lessons.fast_decode import LayerInputs, layer_weights, pack_weights, rope_one_token
 from aie_lessons.model import LlamaModel, rms_norm, rope_cos_sin
 from aie_lessons.output import stop_token_ids
 from aie_lessons.quantize import QuantizedLinear
@@ -1633,7 +1648,8 @@ def bucket_for(rows: int, buckets: tuple[int, ...]) -> int:
 
 @dataclass
 class DecodeRows:
-    """A decode-only step's inputs: row i is request i's new token (n rows, T the longest context)."""
+    """A step's one-token chunks, row i the i-th: a request's new token, or a one-token prompt
+    chunk (n rows; T, the columns' width, the longest row's positions)."""
 
     ids: torch.Tensor  # (n,) token ids
     positions: torch.Tensor  # (n,) each token's position (RoPE)
@@ -1654,10 +1670,14 @@ def decode_rows(batch: PagedBatch) -> DecodeRows:
 # `pad_rows(rows, bucket, scratch)` returns the step's rows followed by `bucket - n` padding
 # rows, as a new `DecodeRows`. The real rows come first, unchanged and in order: the runner
 # reads the logits of row i as request i's. A padding row must be harmless: it writes its keys
-# and values into the `scratch` slot (no request owns it), and it must see at least one column
-# (a softmax over no positions is 0 / 0). Its token id must be one the embedding table has.
-# Keep every tensor's dtype and device, and do not change the inputs: they are the batch the
-# engine prepared. When `n == bucket` there is nothing to add.
+# and values only into the `scratch` slot (no request owns it), and it reads only that slot,
+# through at least one visible column — a softmax over no positions is 0 / 0 = NaN, and NaN
+# keys left in the scratch slot would poison any row that ever read it, even masked (0 · NaN is
+# NaN); reading the slot it has just written keeps every number finite. Its token id must be one
+# the embedding table has. Keep every tensor's dtype and device, and do not change the inputs:
+# they are the batch the engine prepared. When `n == bucket` there is nothing to add (returning
+# `rows` itself or a copy are both fine). A step may have no real rows at all: `warm_up`
+# compiles each bucket with a step of padding only.
 
 # %%
 # export: engine.compiled_runner
@@ -1665,9 +1685,9 @@ def decode_rows(batch: PagedBatch) -> DecodeRows:
 
 def pad_rows(rows: DecodeRows, bucket: int, scratch: int) -> DecodeRows:
     """``rows`` followed by ``bucket - n`` padding rows that write and read only slot ``scratch``."""
-    # BEGIN EXERCISE 9.3: return the rows followed by bucket − n padding rows (a new DecodeRows, inputs unchanged): token id 0 and position 0, keys and values written to the scratch slot, and one visible column that is the scratch slot
-    # Hint 1: Every field grows by the same number of rows, each filled with one value: 0 for the ids and positions, the scratch slot for the slots and the columns, False for visibility — then one column per padding row is made visible, so that its softmax has a position to weigh.
-    # Hint 2: t.new_full((pad, *t.shape[1:]), value) makes the padding of tensor t with its dtype and device; torch.cat([t, padding]) appends it below the real rows (a new tensor: the input is untouched); then set visible[n:, 0] = True on the padded copy.
+    # BEGIN EXERCISE 9.3: return a DecodeRows of bucket rows: the step's rows first, unchanged, then padding rows that write and read only the scratch slot and see at least one column
+    # Hint 1: Each field grows by bucket − n rows filled with one value: token id 0 and position 0 (valid for any model), the scratch slot for the slots and for the columns (what a padding row writes and reads), False for visibility — and then one column of each padding row made visible, so that its softmax has a position to weigh.
+    # Hint 2: tensor.new_full(shape, value) makes padding with the tensor's dtype and device, and torch.cat puts it below the real rows in a new tensor (the input stays untouched); set the visible column on that new tensor, for the padding rows only.
     pad = bucket - len(rows.ids)
     if pad == 0:
         return rows
@@ -1727,13 +1747,16 @@ def rows_layer(
     x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rows: DecodeRows, keys: torch.Tensor,
     values: torch.Tensor, eps: float, qkv: torch.Tensor, o: torch.Tensor, gate_up: torch.Tensor,
     down: torch.Tensor, input_norm: torch.Tensor, post_norm: torch.Tensor,
-) -> tuple[torch.Tensor, Stored]:
+) -> torch.Tensor:
     """One decoder layer for B rows: x (B, hidden) fp32, cos/sin (B, 1, D); keys/values are this
-    layer's pool flattened to (slots, Hkv, D), written at ``rows.slots`` in place."""
+    layer's pool flattened to (slots, Hkv, D), written at ``rows.slots`` in place.
+
+    Unlike the ladder's step, nothing is returned only to be stored (``Stored``): the inputs of
+    ``F.linear`` are always materialised, so there is no recomputation to prevent.
+    """
     batch, head_dim, num_kv_heads = x.shape[0], cos.shape[-1], keys.shape[1]
     kv_size = num_kv_heads * head_dim
-    normed = rms_norm(x, input_norm, eps)
-    projected = linear(normed, qkv)
+    projected = linear(rms_norm(x, input_norm, eps), qkv)
     q, k, v = projected.split([projected.shape[1] - 2 * kv_size, kv_size, kv_size], dim=1)
     q = rope_one_token(q.reshape(batch, -1, head_dim), cos, sin)  # (B, Hq, D)
     k = rope_one_token(k.reshape(batch, num_kv_heads, head_dim), cos, sin)
@@ -1741,33 +1764,35 @@ def rows_layer(
     values.index_copy_(0, rows.slots, v.reshape(batch, num_kv_heads, head_dim).to(values.dtype))
     attended = rows_attention(q, keys[rows.columns], values[rows.columns], rows.visible)
     x = x + linear(attended.reshape(batch, -1), o)
-    normed_mid = rms_norm(x, post_norm, eps)
-    gate, up = linear(normed_mid, gate_up).chunk(2, dim=-1)
-    return x + linear(F.silu(gate) * up, down), (normed, normed_mid)
+    gate, up = linear(rms_norm(x, post_norm, eps), gate_up).chunk(2, dim=-1)
+    return x + linear(F.silu(gate) * up, down)
 
 
-def rows_layers(
-    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rows: DecodeRows, eps: float,
-    layers: list[tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...]]],
-) -> tuple[torch.Tensor, Stored]:
-    """``rows_layer`` over a few layers in one compiled call, as the ladder's rung 7."""
-    stored: Stored = ()
+def rows_layers(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rows: DecodeRows, eps: float,
+                layers: list[LayerInputs]) -> torch.Tensor:
+    """``rows_layer`` over a few layers in one compiled call, as the ladder's rung 7; each layer's
+    inputs are (keys, values, weights), the keys and values its flattened pool."""
     for keys, values, weights in layers:
-        x, more = rows_layer(x, cos, sin, rows, keys, values, eps, *weights)
-        stored += more
-    return x, stored
+        x = rows_layer(x, cos, sin, rows, keys, values, eps, *weights)
+    return x
 
 
-def rows_head(x: torch.Tensor, norm: torch.Tensor, eps: float, head: torch.Tensor) -> tuple[torch.Tensor, Stored]:
+def rows_head(x: torch.Tensor, norm: torch.Tensor, eps: float, head: torch.Tensor) -> torch.Tensor:
     """Final norm and output head: logits (B, vocab) fp32, for the sampler."""
-    normed = rms_norm(x, norm, eps)
-    return linear(normed, head), (normed,)
+    return linear(rms_norm(x, norm, eps), head)
 
 
 # %% [markdown]
 # The runner: stage 07's `PagedModelRunner` with one block more in its cache than its
 # allocator hands out (the scratch block), the weights packed as in rung 6, and a `run` that
 # sends decode-only steps through the compiled functions, padded to their bucket.
+#
+# Two details decide whether a bucket compiles once or again and again. The number of cached
+# positions, T, grows every step, so it is marked as a symbol (`mark_dynamic`), and so is the
+# number of slots in the pool, which differs from one KV budget to the next. And the compiled
+# code is run under `torch.no_grad()`, never under `torch.inference_mode()` as the eager model
+# is: tensors made in inference mode are a different kind of input to the compiler, so a step
+# padded inside it and one that was not would each get a version of their own.
 
 # %%
 # export: engine.compiled_runner
@@ -1776,78 +1801,82 @@ def rows_head(x: torch.Tensor, norm: torch.Tensor, eps: float, head: torch.Tenso
 class CompiledPagedRunner(PagedModelRunner):
     """A paged runner whose decode-only steps run compiled, padded to batch-size buckets.
 
-    Steps with prompt chunks run the eager model (stage 07's ``run``). Each bucket compiles on
-    first use, or in ``warm_up``; the number of cached positions is a symbol in the compiled
-    code, so a bucket never recompiles as requests grow. ``compile=False`` runs the same step
-    eagerly (to compare). Weights fp32 or bf16, activations fp32; the weights are copied into
-    one packed block, so the model is not changed. Like ``FastDecoder``, a compiling runner
-    raises dynamo's process-wide ``recompile_limit`` to at least 64 (one version per bucket).
+    Steps with a prompt chunk of more than one token — and steps of more rows than the largest
+    bucket — run the eager model (stage 07's ``run``, reading the cache by gathering, also on a
+    GPU). Each bucket compiles on first use, or in ``warm_up``. ``compile=False`` runs the same
+    step eagerly (to compare). Weights fp32 or bf16, activations fp32; the weights are copied
+    into one packed block, so the model is not changed. Like ``FastDecoder``, a compiling runner
+    raises dynamo's process-wide ``recompile_limit`` to at least 64.
     """
 
     def __init__(self, model: LlamaModel, num_blocks: int, block_size: int = 16, attention: str = "sdpa",
-                 prefix_caching: bool = True, compile: bool = True, layers_per_call: int = 5,
-                 buckets: tuple[int, ...] = BATCH_BUCKETS):
+                 kv_dtype: torch.dtype | None = None, prefix_caching: bool = True, compile: bool = True,
+                 layers_per_call: int = 5, buckets: tuple[int, ...] = BATCH_BUCKETS):
         refusal = compiled_step_refusal(model)
         if refusal:
             raise ValueError(refusal)
-        if layers_per_call < 1 or not buckets or min(buckets) < 1:
-            raise ValueError(f"layers_per_call ({layers_per_call}) and every bucket ({buckets}) must be at least 1")
-        # One block more than the allocator knows of: the scratch block padding rows write to.
-        super().__init__(model, num_blocks + 1, block_size, attention, None, prefix_caching, decode="gather")
+        if layers_per_call < 1:
+            raise ValueError(f"layers_per_call must be at least 1, got {layers_per_call}")
+        if not buckets or min(buckets) < 1:
+            raise ValueError(f"buckets must be batch sizes of at least 1, got {buckets}")
+        # The cache gets one block more than the allocator hands out: the scratch block, which
+        # padding rows write to. (The parent's allocator, for all the blocks, is replaced.)
+        super().__init__(model, num_blocks + 1, block_size, attention, kv_dtype, prefix_caching, decode="gather")
         self.allocator = PagedAllocator(num_blocks, block_size, prefix_caching)
         self.scratch_slot = num_blocks * block_size
-        self.buckets = tuple(sorted(buckets))
+        self.buckets = tuple(sorted(set(buckets)))
         self.block, matrices = pack_weights(model)
-        layers = []
-        for i, layer in enumerate(model.layers):
-            weights = LayerWeights(*matrices[4 * i:4 * i + 4], layer.input_layernorm.weight.detach().float(),
-                                   layer.post_attention_layernorm.weight.detach().float())
-            layers.append((self.cache.keys[i].flatten(0, 1), self.cache.values[i].flatten(0, 1), weights.tensors()))
+        pools = [(self.cache.keys[i].flatten(0, 1), self.cache.values[i].flatten(0, 1)) for i in range(len(model.layers))]
+        for pool in (p for pair in pools for p in pair):
+            torch._dynamo.mark_dynamic(pool, 0)  # one compiled version for any KV budget
+        layers = [(keys, values, weights.tensors())
+                  for (keys, values), weights in zip(pools, layer_weights(model, matrices))]
         self.calls = [layers[i:i + layers_per_call] for i in range(0, len(layers), layers_per_call)]
         self.head, self.final_norm = matrices[-1], model.norm.weight.detach().float()
         self.embed = model.embed_tokens.weight.detach()
         if compile:
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-            # dynamic=False: each bucket is its own specialised version (the positions axis is
-            # marked dynamic in run, so it alone stays a symbol).
+            # dynamic=False: each bucket is its own specialised version; only the axes marked
+            # dynamic (positions, pool slots) stay symbols.
             compiled = partial(torch.compile, dynamic=False, options={"size_asserts": False})
             self.rows_layers, self.rows_head = compiled(rows_layers), compiled(rows_head)
         else:
             self.rows_layers, self.rows_head = rows_layers, rows_head
 
-    @torch.inference_mode()
     def run(self, batch: PagedBatch) -> torch.Tensor:
         """Logits (K, vocab), fp32: compiled when every chunk is one token, eager otherwise."""
-        if batch.chunks or not len(batch.decode_rows):
+        rows = len(batch.decode_rows)
+        if batch.chunks or not rows or rows > self.buckets[-1]:
             return super().run(batch)
-        rows = decode_rows(batch)
-        logits = self.decode_step(pad_rows(rows, bucket_for(len(rows.ids), self.buckets), self.scratch_slot))
+        with torch.no_grad():
+            logits = self.decode_step(pad_rows(decode_rows(batch), bucket_for(rows, self.buckets), self.scratch_slot))
         if logits.is_cuda:
             torch.cuda.synchronize(logits.device)
         return logits[batch.sample_rows]
 
     def decode_step(self, rows: DecodeRows) -> torch.Tensor:
-        """Logits (B, vocab) fp32 of padded rows, through the compiled functions."""
+        """Logits (B, vocab) fp32 of padded rows, through the compiled functions (call under no_grad)."""
+        if rows.columns.shape[1] < 2:  # one position: a masked second column keeps T a symbol
+            rows = replace(rows, columns=F.pad(rows.columns, (0, 1), value=self.scratch_slot),
+                           visible=F.pad(rows.visible, (0, 1), value=False))
         torch._dynamo.mark_dynamic(rows.columns, 1)
         torch._dynamo.mark_dynamic(rows.visible, 1)
         cos, sin = (t[0, :, None] for t in rope_cos_sin(rows.positions[None], self.config.head_dim,
                                                            self.config.rope_theta))  # (B, 1, D)
         x = self.embed[rows.ids].float()
-        eps = self.config.rms_norm_eps
         for layers in self.calls:
-            x, _ = self.rows_layers(x, cos, sin, rows, eps, layers)
-        logits, _ = self.rows_head(x, self.final_norm, eps, self.head)
-        return logits
+            x = self.rows_layers(x, cos, sin, rows, self.config.rms_norm_eps, layers)
+        return self.rows_head(x, self.final_norm, self.config.rms_norm_eps, self.head)
 
+    @torch.no_grad()
     def warm_up(self, max_rows: int | None = None) -> None:
         """Compile (or load from inductor's cache) every bucket up to ``max_rows``: a step of
         padding only, which writes nothing but the scratch block."""
         empty = torch.empty(0, dtype=torch.long, device=self.device)
+        nothing = DecodeRows(empty, empty, empty, empty.view(0, 2), empty.view(0, 2).bool())
+        largest = self.buckets[-1] if max_rows is None else bucket_for(min(max_rows, self.buckets[-1]), self.buckets)
         for bucket in self.buckets:
-            if max_rows is not None and bucket > bucket_for(max_rows, self.buckets):
-                break
-            nothing = DecodeRows(empty, empty, empty, empty.view(0, 2), empty.view(0, 2).bool())
-            for _ in range(2):  # the second call checks that the first left nothing to recompile
+            if bucket <= largest:
                 self.decode_step(pad_rows(nothing, bucket, self.scratch_slot))
 
 
@@ -1868,17 +1897,19 @@ def compiled_step_refusal(model: LlamaModel) -> str | None:
 
 def compiled_engine(model: LlamaModel, tokenizer: Tokenizer, max_seqs: int = 64, token_budget: int = 256,
                     kv_bytes: int | None = None, block_size: int = 16, prefix_caching: bool = True,
-                    compile: bool = True, buckets: tuple[int, ...] = BATCH_BUCKETS) -> Engine:
-    """Stage 07's ``paged_engine`` with a ``CompiledPagedRunner``: the same scheduler, sampler and
-    KV budget (the scratch block comes on top of ``kv_bytes``). The step is compiled for the
-    ``buckets`` below ``max_seqs`` and for ``max_seqs`` itself, the largest batch it can get."""
-    dtype = model.embed_tokens.weight.dtype
+                    aging_rate: float = 1.0, attention: str = "sdpa", kv_dtype: torch.dtype | None = None,
+                    clock: Callable[[], float] = time.perf_counter, compile: bool = True,
+                    buckets: tuple[int, ...] = BATCH_BUCKETS) -> Engine:
+    """Stage 07's ``paged_engine`` with a ``CompiledPagedRunner``: the same arguments, scheduler,
+    sampler and KV budget (the scratch block comes on top of ``kv_bytes``). The step is compiled
+    for the ``buckets`` below ``max_seqs`` and for ``max_seqs`` itself, the largest batch it gets."""
+    dtype = kv_dtype or model.embed_tokens.weight.dtype
     kv_bytes = slot_pool_bytes(model.config, 16, 1024, block_size, dtype) if kv_bytes is None else kv_bytes
     runner = CompiledPagedRunner(model, blocks_for_budget(model.config, kv_bytes, block_size, dtype), block_size,
-                                 prefix_caching=prefix_caching, compile=compile,
+                                 attention, kv_dtype, prefix_caching, compile,
                                  buckets=tuple(b for b in buckets if b < max_seqs) + (max_seqs,))
-    config = SchedulerConfig(max_seqs, token_budget)
-    return Engine(runner, tokenizer, stop_token_ids(model.config, tokenizer), config, scheduler_class=PagedScheduler)
+    config = SchedulerConfig(max_seqs, token_budget, aging_rate)
+    return Engine(runner, tokenizer, stop_token_ids(model.config, tokenizer), config, clock, PagedScheduler)
 
 
 # %% [markdown]
@@ -1894,7 +1925,7 @@ def compiled_engine(model: LlamaModel, tokenizer: Tokenizer, max_seqs: int = 64,
 from aie_lessons.engine.paged_runner import PagedModelRunner
 
 ENGINE_ROWS = (1, 4, 16)
-engine_prompts = [tokenizer.encode(f"Lighthouse fact number {i}:") for i in range(max(ENGINE_ROWS))]
+engine_prompts = [tokenizer.encode(f"Lighthouse fact number {i}:") for i in range(64)]  # 64: section 7
 engine_params = SamplingParams(max_new_tokens=48, ignore_eos=True)
 
 
@@ -1931,23 +1962,42 @@ for running in ENGINE_ROWS:
     print(f"fp32, {running:>2} running: eager {eager_rate:6.1f} tok/s, compiled {compiled_rate:6.1f} "
           f"({compiled_rate / eager_rate:.2f}x); the same greedy tokens: {same_engine_tokens[running]}")
 
+# Requests that finish one by one: the batch shrinks through sizes that are not buckets, and is padded.
+staggered = [SamplingParams(max_new_tokens=8 + 3 * i, ignore_eos=True) for i in range(max(ENGINE_ROWS))]
+first_step = len(fp32_engines[1].stats)
+eager_tokens, compiled_tokens = ([r.token_ids for r in e.generate(engine_prompts[:len(staggered)], staggered)]
+                                 for e in fp32_engines)
+same_engine_tokens["staggered"] = compiled_tokens == eager_tokens
+padded_steps = [(len(s.chunks), bucket_for(len(s.chunks), fp32_engines[1].runner.buckets))
+                for s in fp32_engines[1].stats[first_step:] if all(length == 1 for _, _, length in s.chunks)]
+print(f"{len(staggered)} requests finishing one by one: the same greedy tokens: {same_engine_tokens['staggered']}; "
+      f"{sum(b - n for n, b in padded_steps)} padding rows computed in {sum(b > n for n, b in padded_steps)} of "
+      f"{len(padded_steps)} decode steps")
+
 # %% [markdown]
-# The tokens are the same — padding wrote only to the scratch block — but with 16 rows the gain
-# is small. Section 4's profile of a 16-row step said why: most of it is matrix products, and
-# compiling removes only what lies between them. And these products are thin — 16 rows against
-# matrices 576 columns wide — which the BLAS library runs far below the peak that section 1
-# measured on large square matrices. `products_seconds` times a step's products alone, with
-# the model's own matrices:
+# The tokens are the same — also when the batch shrank through sizes that are not buckets and
+# padding rows ran beside the real ones: they wrote only to the scratch block. But the gain is
+# small, smallest with many rows. Section 4's profile of a 16-row step said why: most of it is
+# matrix products, and compiling removes only what lies between them. `products_seconds` times
+# a step's products alone, with the model's own matrices, and the table below sets each time
+# against the roofline of section 1 (the larger of FLOPs ÷ peak and bytes ÷ read bandwidth),
+# in fp32 and in bf16 weights, for one row and for 16:
 
 # %%
 # export: ceilings
 
 
 def products_seconds(matrices: list[torch.Tensor], rows: int, repeats: int = 3) -> float:
-    """Seconds of one product of ``rows`` fp32 rows by each matrix (N, K), nothing between them:
-    the least time a step of ``rows`` requests through these matrices can take in this library."""
-    inputs = {w.shape[1]: torch.randn(rows, w.shape[1], device=w.device) for w in matrices}
-    return best_seconds(lambda: [torch.nn.functional.linear(inputs[w.shape[1]], w) for w in matrices], repeats)
+    """Seconds of one product of ``rows`` rows by each matrix (N, K), in the matrix's dtype, with
+    nothing between them: the least time a step of ``rows`` requests through these matrices can
+    take in this library."""
+    inputs = {(w.shape[1], w.dtype): torch.randn(rows, w.shape[1], dtype=w.dtype, device=w.device) for w in matrices}
+
+    def products() -> None:
+        for w in matrices:
+            torch.nn.functional.linear(inputs[w.shape[1], w.dtype], w)
+
+    return best_seconds(products, repeats, matrices[0].device if matrices else "cpu")
 
 
 # %%
@@ -1955,23 +2005,36 @@ def products_seconds(matrices: list[torch.Tensor], rows: int, repeats: int = 3) 
 from aie_lessons.fast_decode import decode_groups
 
 rows16 = max(ENGINE_ROWS)
-step_matrices = [torch.cat(group) for group in decode_groups(model)]
-products16 = products_seconds(step_matrices, rows16)
-flops16 = sum(2 * rows16 * w.numel() for w in step_matrices)
+products_time = {}  # (weights, rows): seconds of a step's products alone
+for weights, weights_model in (("fp32", model), ("bf16", bf16_model)):
+    step_matrices = [torch.cat(group) for group in decode_groups(weights_model)]
+    step_bytes = sum(w.nbytes for w in step_matrices)
+    for rows in (1, rows16):
+        products_time[weights, rows] = products_seconds(step_matrices, rows)
+        flops = sum(2 * rows * w.numel() for w in step_matrices)
+        roof = max(flops / peaks[weights], step_bytes / ceilings["read"])
+        print(f"{weights}, {rows:>2} row{'s' * (rows > 1)}: the products alone take {products_time[weights, rows] * 1e3:5.1f} ms, "
+              f"{roof / products_time[weights, rows]:4.0%} of their roofline")
+    del step_matrices
 eager16, compiled16 = (rows16 / engine_speed["fp32", rows16, kind] for kind in ("eager", "compiled"))
-print(f"the products of a {rows16}-row fp32 step, alone: {products16 * 1e3:.1f} ms, {flops16 / products16 / 1e9:.0f} "
-      f"GFLOP/s ({flops16 / products16 / peaks['fp32']:.0%} of the peak measured on large squares)")
-print(f"the eager step: {eager16 * 1e3:.1f} ms, the compiled step: {compiled16 * 1e3:.1f} ms — with only the products "
-      f"left, a step could be at most {eager16 / products16:.2f}x faster than the eager one")
-del step_matrices
+print(f"fp32, {rows16} running: the eager step takes {eager16 * 1e3:.1f} ms, the compiled one {compiled16 * 1e3:.1f} ms; "
+      f"with only the products left, a step could be at most {eager16 / products_time['fp32', rows16]:.2f}x faster "
+      "than the eager one")
 
 # %% [markdown]
-# In bf16 the products are half the bytes and run on the bf16 units, whose peak section 1
-# measured too. Eager, the engine converts each bf16 weight row to fp32 before the product
-# (stage 04's `Linear`); compiled, the activations are rounded to bf16 instead. So the tokens
-# may differ, and each step is checked instead: `compared_steps` runs every decode step of the
-# compiled bf16 engine both ways on the same cache, and stage 04's `agreement` compares the
-# logits.
+# Read the table by rows. In fp32, the products of 16 rows take far longer than those of one,
+# although they read the same bytes: these thin products (16 rows against 576-wide matrices)
+# are done by the fp32 units well below the roofline, and compiling cannot change that. With
+# bf16 weights, 16 rows cost little more than one: the CPU's bf16 units (AMX, or AVX-512 BF16)
+# do the extra rows' arithmetic almost for free. So the compiled bf16 step should gain most
+# where many requests run. (At one row it does not beat the ladder's rung 7, whose
+# broadcast-and-sum product streams the weights faster than a library call for a single row.)
+#
+# Eager, the engine converts each bf16 weight row to fp32 before the product (stage 04's
+# `Linear`) — a slow baseline, slower than fp32 at few rows; compiled, the activations are
+# rounded to bf16 instead. So the tokens may differ, and each step is checked instead:
+# `compared_steps` runs every decode step of the compiled bf16 engine both ways on the same
+# cache, and stage 04's `agreement` compares the logits.
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -1981,7 +2044,7 @@ for running in ENGINE_ROWS:
     engine_speed["bf16", running, "eager"], engine_speed["bf16", running, "compiled"] = eager_rate, compiled_rate
     print(f"bf16, {running:>2} running: eager {eager_rate:6.1f} tok/s, compiled {compiled_rate:6.1f} "
           f"({compiled_rate / eager_rate:.2f}x), {compiled_rate / engine_speed['fp32', running, 'eager']:.2f}x "
-          "the eager fp32 engine")
+          f"the eager fp32 engine, {compiled_rate / engine_speed['fp32', running, 'compiled']:.2f}x the compiled fp32 one")
 
 
 def compared_steps(engine, running: int) -> Agreement:
@@ -2012,9 +2075,10 @@ del fp32_engines, bf16_engines
 fig, ax = plt.subplots(figsize=(6.5, 3.6))
 width = 0.2
 for i, (weights, kind) in enumerate([(w, k) for w in ("fp32", "bf16") for k in ("eager", "compiled")]):
-    ax.bar([j + (i - 1.5) * width for j in range(len(ENGINE_ROWS))],
+    bars = ax.bar([j + (i - 1.5) * width for j in range(len(ENGINE_ROWS))],
            [engine_speed[weights, r, kind] for r in ENGINE_ROWS], width, label=f"{weights}, {kind}",
            color=["tab:blue", "tab:orange"][kind == "compiled"], alpha=1.0 if weights == "bf16" else 0.55)
+    ax.bar_label(bars, fmt="%.0f", fontsize=6)
 ax.set_xticks(range(len(ENGINE_ROWS)), [f"{r} running" for r in ENGINE_ROWS])
 ax.set_ylabel("decode tokens/s (all requests)")
 ax.set_title("The engine's decode step: eager against compiled")
@@ -2023,10 +2087,202 @@ fig.tight_layout()
 plt.show()
 
 # %%
-print("the compiled fp32 engine kept the eager engine's greedy tokens at", ENGINE_ROWS, ":",
-      all(same_engine_tokens.values()))
+print("the compiled fp32 engine kept the eager engine's greedy tokens, at", ENGINE_ROWS, "running and with "
+      "requests finishing one by one:", all(same_engine_tokens.values()))
 print("compiled bf16 agrees with eager bf16 on at least 90% of the steps' next tokens, mean KL under 0.01:",
       bf16_agreement.top1 >= 0.9 and bf16_agreement.mean_kl < 0.01)
+
+
+# %% [markdown]
+# ## 7. On a GPU
+#
+# Everything above ran on this machine's CPU. On a GPU the same questions have other answers:
+# its memory reads several TB/s and its matrix units do hundreds of TFLOP/s, so the ridge point
+# sits far to the right, and the Triton kernels of stages 05 and 07 compile instead of running
+# in Triton's interpreter. This section measures, where a CUDA GPU is present:
+#
+# * the GPU's ceilings, with section 1's probes given `device="cuda"` (a sum for reading);
+# * stage 05's flash-attention kernel against PyTorch's SDPA on prefill shapes, and stage 07's
+#   paged decode kernel against gathering the blocks and calling SDPA, on decode shapes — time,
+#   the bytes each reads per second against the read ceiling, and the largest difference;
+# * decode tokens/s of the engine, eager and compiled, at 1, 16 and 64 running requests.
+#
+# Without a GPU the cells say so and measure nothing. On a machine with one, `make bench-gpu`
+# measures the same with repeats: `benchmarks/flash_attention.py`,
+# `benchmarks/paged_attention.py` and `benchmarks/engine_decode.py --device cuda`.
+
+# %%
+# export: gpu_kernels
+"""Stage 05's and stage 07's Triton kernels against PyTorch's SDPA, timed on a GPU."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from aie_lessons.ceilings import best_seconds
+from aie_lessons.engine.paged_attention import gather_decode_attention, paged_decode_attention_triton
+from aie_lessons.flash_attention import HAS_TRITON, gpu_milliseconds, interpreted, triton_flash_attention
+
+
+def gpu_skip_reason() -> str | None:
+    """Why the GPU measurements cannot run here, or None when they can."""
+    if not torch.cuda.is_available():
+        return ("skipped: no CUDA GPU on this machine. The Triton kernels compile only for a GPU (on a CPU "
+                "they run in Triton's interpreter, which is for correctness, not speed)")
+    if not HAS_TRITON:
+        return "skipped: triton is not installed, so the kernels of stages 05 and 07 cannot compile"
+    return None
+
+
+@dataclass
+class KernelTiming:
+    """One shape: our kernel and PyTorch's way, their milliseconds, the bytes the work must read
+    at least, and the largest difference of our output from the fp32 reference."""
+
+    kernel: str
+    shape: str
+    ours_ms: float
+    torch_ms: float
+    bytes_read: int
+    max_error: float
+
+    @property
+    def speedup(self) -> float:
+        """PyTorch's time over ours: above 1, our kernel is faster."""
+        return self.torch_ms / self.ours_ms
+
+    def read_rate(self, ms: float) -> float:
+        """Bytes per second the work read, at least, when it took ``ms`` milliseconds."""
+        return self.bytes_read / (ms / 1e3)
+
+
+def gpu_read_bandwidth(device: torch.device | str = "cuda", megabytes: int = 1024, repeats: int = 10) -> float:
+    """Bytes per second a sum reads from a buffer far larger than the GPU's caches: its read ceiling
+    (stage 04's ``read_bandwidth`` is the CPU's, which also tries a BLAS product)."""
+    buffer = torch.ones(megabytes * 2**20 // 4, device=device)
+    return buffer.nbytes / best_seconds(buffer.sum, repeats, device)
+
+
+def milliseconds(calls: list[Callable[[], object]], device: torch.device | str) -> list[float]:
+    """Each call's time: CUDA events on a GPU (calls alternated), the best of a few on a CPU
+    (where the kernels run in the interpreter: a check that the measurement runs, not a speed)."""
+    if torch.device(device).type == "cuda":
+        return gpu_milliseconds(calls)
+    return [best_seconds(call, 2) * 1e3 for call in calls]
+
+
+def flash_vs_sdpa(seq_lens: tuple[int, ...], batch: int, heads: int, kv_heads: int, head_dim: int,
+                  dtype: torch.dtype, device: torch.device | str) -> list[KernelTiming]:
+    """Stage 05's kernel and SDPA on causal prefill shapes (q, k, v of ``seq`` positions each)."""
+    rows = []
+    for seq in seq_lens:
+        q = torch.randn(batch, heads, seq, head_dim, dtype=dtype, device=device)
+        k, v = (torch.randn(batch, kv_heads, seq, head_dim, dtype=dtype, device=device) for _ in range(2))
+        ours = triton_flash_attention(q, k, v, causal=True)[0]
+        want = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True, enable_gqa=True)
+        times = milliseconds([lambda: triton_flash_attention(q, k, v, causal=True),
+                              lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)],
+                             device)
+        rows.append(KernelTiming("flash (stage 05)", f"B={batch} S={seq}", *times,
+                                 sum(t.nbytes for t in (q, k, v)), (ours.float() - want).abs().max().item()))
+    return rows
+
+
+def paged_vs_sdpa(batch_sizes: tuple[int, ...], context: int, block_size: int, heads: int, kv_heads: int,
+                  head_dim: int, dtype: torch.dtype, device: torch.device | str) -> list[KernelTiming]:
+    """Stage 07's paged decode kernel against gathering each row's blocks and calling SDPA (what
+    the engine does without the kernel), every row ``context`` positions in shuffled blocks."""
+    rows = []
+    for batch in batch_sizes:
+        blocks_per_row = math.ceil(context / block_size)
+        pool = (batch * blocks_per_row + 1, block_size, kv_heads, head_dim)
+        keys, values = (torch.randn(pool, dtype=dtype, device=device) for _ in range(2))
+        tables = torch.randperm(pool[0] - 1, device=device)[:batch * blocks_per_row].view(batch, blocks_per_row)
+        lens = torch.full((batch,), context, device=device)
+        q = torch.randn(batch, heads, head_dim, dtype=dtype, device=device)
+        scale = head_dim**-0.5
+        slots = (tables[:, :, None] * block_size + torch.arange(block_size, device=device)).flatten(1)[:, :context]
+
+        def gathered() -> torch.Tensor:
+            k, v = (pool_.flatten(0, 1)[slots].transpose(1, 2) for pool_ in (keys, values))  # (B, Hkv, T, D)
+            return F.scaled_dot_product_attention(q[:, :, None], k, v, enable_gqa=True)[:, :, 0]
+
+        ours = paged_decode_attention_triton(q, keys, values, tables, lens, scale)
+        want = gather_decode_attention(q.float(), keys.float(), values.float(), tables, lens, scale)
+        times = milliseconds([lambda: paged_decode_attention_triton(q, keys, values, tables, lens, scale), gathered],
+                             device)
+        read = 2 * batch * context * kv_heads * head_dim * keys.element_size() + q.nbytes
+        rows.append(KernelTiming("paged decode (stage 07)", f"B={batch} T={context}", *times, read,
+                                 (ours.float() - want).abs().max().item()))
+    return rows
+
+
+# %% [markdown]
+# The GPU's ceilings, and where a decode step and a prefill sit against them:
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+gpu_reason = gpu_skip_reason()
+if gpu_reason:
+    print(gpu_reason)
+else:
+    gpu = torch.device("cuda")
+    gpu_read = gpu_read_bandwidth(gpu)
+    gpu_peaks = {name: matmul_throughput(dtype, 8192, 10, gpu) for name, dtype in
+                 (("fp32", torch.float32), ("bf16", torch.bfloat16), ("int8", torch.int8))}
+    print(f"{torch.cuda.get_device_name()}: read {gpu_read / 1e9:.0f} GB/s, copy "
+          f"{copy_bandwidth(1024, 10, gpu) / 1e9:.0f} GB/s (read + written)")
+    for name, peak in gpu_peaks.items():
+        print(f"{name:>4} matmul {peak / 1e12:7.1f} T{'FL' if name != 'int8' else ''}OP/s → ridge at "
+              f"{peak / gpu_read:6.0f} operations per byte read")
+    gpu_cost = committed_step_cost(config, 64, 1024, bytes_read_per_token(bf16_model), torch.bfloat16)
+    print(f"a bf16 decode step of 64 requests at 1024 positions: {gpu_cost.intensity:.0f} FLOPs per byte, "
+          f"{gpu_cost.intensity / (gpu_peaks['bf16'] / gpu_read):.0%} of the way to the bf16 ridge")
+
+# %% [markdown]
+# The two kernels against PyTorch. A decode kernel's work is reading the cache, so its speed is
+# best read as bytes per second against the read ceiling; the flash kernel's is arithmetic.
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+if gpu_reason:
+    print(gpu_reason)
+else:
+    timings = (flash_vs_sdpa((1024, 4096, 16384), 4, config.num_heads, config.num_kv_heads, config.head_dim,
+                             torch.bfloat16, gpu)
+               + paged_vs_sdpa((1, 16, 64, 256), 2048, 16, config.num_heads, config.num_kv_heads, config.head_dim,
+                               torch.bfloat16, gpu))
+    for row in timings:
+        print(f"{row.kernel:<24} {row.shape:<14} ours {row.ours_ms:7.3f} ms, PyTorch {row.torch_ms:7.3f} ms "
+              f"({row.speedup:4.2f}x); read at least {row.read_rate(row.ours_ms) / gpu_read:4.0%} of the read "
+              f"ceiling; max difference {row.max_error:.1e}")
+
+# %% [markdown]
+# And the engine on the GPU: eager (stage 07's, reading blocks with the paged kernel) against
+# compiled (section 6's runner, whose products and fused loops inductor now writes in Triton),
+# bf16 weights, at 1, 16 and 64 running requests.
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+if gpu_reason:
+    print(gpu_reason)
+else:
+    gpu_model = LlamaModel.from_pretrained(MODEL_DIR, dtype=torch.bfloat16, device=gpu)
+    for running in (1, 16, 64):
+        eager = paged_engine(gpu_model, tokenizer, max_seqs=running, kv_bytes=512 * 2**20)
+        compiled = compiled_engine(gpu_model, tokenizer, max_seqs=running, kv_bytes=512 * 2**20, buckets=(running,))
+        compiled.runner.warm_up()
+        (eager_rate, _), (compiled_rate, _) = (decode_rate(e, running) for e in (eager, compiled))
+        cost = committed_step_cost(config, running, 64, bytes_read_per_token(gpu_model), torch.bfloat16)
+        roof = running / max(cost.flops / gpu_peaks["bf16"], cost.bytes / gpu_read)
+        print(f"{running:>2} running: eager {eager_rate:7.0f} tok/s, compiled {compiled_rate:7.0f} "
+              f"({compiled_rate / eager_rate:.2f}x); the roofline allows {roof:,.0f}")
+    del gpu_model, eager, compiled
 
 
 # %% [markdown]
@@ -2048,5 +2304,7 @@ print("compiled bf16 agrees with eager bf16 on at least 90% of the steps' next t
 #   scratch block (your `pad_rows`, 9.3): in fp32 the thin products of 16 rows are most of the
 #   step, so compiling gains little; in bf16 the products run on the bf16 units
 #   (`engine.compiled_runner`: `CompiledPagedRunner`, `compiled_engine`).
+# * On a GPU the same probes and the kernels of stages 05 and 07 against PyTorch's SDPA
+#   (`gpu_kernels`).
 #
 # Commit the stage with `aie commit 09`.

@@ -23,19 +23,39 @@ PARAMS = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (14, 6, 9)]
 BLOCK = 4  # small blocks: prompts and outputs cross block boundaries
 
 
-def engines(model_dir, dtype=torch.float32, compile=False, **kwargs):
+@pytest.fixture()
+def fresh_dynamo():
+    """A test that counts compilations starts from an empty dynamo cache: compiled versions are
+    kept per function for the whole process, so an earlier test would have compiled them."""
+    limit = torch._dynamo.config.recompile_limit
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+    torch._dynamo.config.recompile_limit = limit
+
+
+def engines(model_dir, dtype=torch.float32, compile=False, max_seqs=4, token_budget=16, kv_tokens=64, **kwargs):
+    """The eager engine (stage 07's, gathering) and the compiled one, on the same weights and budget."""
     model = LlamaModel.from_pretrained(model_dir, dtype=dtype)
     tokenizer = Tokenizer.from_pretrained(model_dir)
-    kv_bytes = kv_cache_bytes(model.config, 64, 4, dtype)
-    eager = paged_engine(model, tokenizer, max_seqs=4, token_budget=16, kv_bytes=kv_bytes, block_size=BLOCK,
-                         decode="gather")
-    compiled = compiled_engine(model, tokenizer, max_seqs=4, token_budget=16, kv_bytes=kv_bytes, block_size=BLOCK,
-                               compile=compile, **kwargs)
+    kv_bytes = kv_cache_bytes(model.config, kv_tokens, 4, dtype)
+    eager = paged_engine(model, tokenizer, max_seqs=max_seqs, token_budget=token_budget, kv_bytes=kv_bytes,
+                         block_size=BLOCK, decode="gather")
+    compiled = compiled_engine(model, tokenizer, max_seqs=max_seqs, token_budget=token_budget, kv_bytes=kv_bytes,
+                               block_size=BLOCK, compile=compile, **kwargs)
+    run = compiled.runner.run
+
+    def one_row_per_sampling_chunk(batch):  # the sampler would silently ignore extra rows
+        logits = run(batch)
+        assert logits.shape == (len(batch.sample_rows), model.config.vocab_size)
+        return logits
+
+    compiled.runner.run = one_row_per_sampling_chunk
     return eager, compiled
 
 
 @pytest.mark.parametrize("compile", [False, pytest.param(True, marks=pytest.mark.slow)])
-def test_the_compiled_engine_keeps_the_eager_engines_tokens_and_cache(tiny_untied_dir, compile):
+def test_the_compiled_engine_keeps_the_eager_engines_tokens_and_cache(tiny_untied_dir, compile, fresh_dynamo):
     eager, compiled = engines(tiny_untied_dir, compile=compile)
     decode_calls = []
     step = compiled.runner.decode_step
@@ -86,13 +106,42 @@ def test_bf16_weights_agree_with_the_eager_bf16_engine(tiny_untied_dir):
 
 
 @pytest.mark.slow
-def test_after_warm_up_no_step_compiles_again(tiny_untied_dir):
-    """Each bucket is compiled once; the number of cached positions is a symbol, so longer requests
-    and every batch size up to the largest bucket run what warm_up compiled."""
+def test_after_warm_up_no_step_compiles_again(tiny_untied_dir, fresh_dynamo):
+    """Each bucket is compiled once, by warm_up; the cached positions and the pool's slots are
+    symbols, so longer requests, padded and full steps, and another KV budget, run what it compiled."""
     _, compiled = engines(tiny_untied_dir, compile=True, buckets=(1, 2, 4))
     compiled.runner.warm_up()
+    _, other_budget = engines(tiny_untied_dir, compile=True, buckets=(1, 2, 4), kv_tokens=96)
     with torch._dynamo.config.patch(error_on_recompile=True):
         compiled.generate(PROMPTS, PARAMS)
+        other_budget.generate(PROMPTS + ["a", "b"], PARAMS + PARAMS[:2])
+
+
+@pytest.mark.parametrize("scenario", ["preemption and prefix hits", "one-token chunks that do not sample",
+                                      "one-token prompts", "nothing samples"])
+def test_the_compiled_engine_keeps_the_tokens_when_steps_are_unusual(tiny_untied_dir, scenario):
+    kwargs, prompts, params = {
+        # a small pool: requests are preempted and recomputed; shared prompts hit the prefix cache
+        "preemption and prefix hits": ({"kv_tokens": 12}, ["the quick brown fox jumps over"] * 3 + ["hello world"],
+                                       [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (20, 14, 17, 9)]),
+        # a budget of 4 tokens cuts prompts into chunks, some of one token beside decode rows
+        "one-token chunks that do not sample": ({"token_budget": 4}, PROMPTS, PARAMS),
+        "one-token prompts": ({}, ["a", "b", "a"], [SamplingParams(max_new_tokens=5, temperature=0.8, seed=i)
+                                                  for i in range(3)]),
+        "nothing samples": ({"max_seqs": 1, "token_budget": 1}, PROMPTS[:2], PARAMS[:2]),
+    }[scenario]
+    eager, compiled = engines(tiny_untied_dir, **kwargs)
+    want = [r.token_ids for r in eager.generate(prompts, params)]
+    assert [r.token_ids for r in compiled.generate(prompts, params)] == want
+    if scenario == "preemption and prefix hits":
+        assert any(s.preempted for s in compiled.stats) and compiled.runner.allocator.hit_tokens
+
+
+def test_products_seconds_times_fp32_and_bf16_matrices():
+    from aie_lessons.ceilings import products_seconds
+
+    matrices = [torch.randn(64, 32), torch.randn(32, 64).bfloat16()]
+    assert products_seconds(matrices, 4, repeats=1) > 0
 
 
 def test_buckets_are_the_smallest_that_holds_the_rows():
@@ -125,6 +174,7 @@ def test_what_the_step_cannot_run_is_refused(tiny_untied_dir, how, message):
 
 def test_layers_per_call_and_buckets_below_one_are_refused(tiny_untied_dir):
     model = LlamaModel.from_pretrained(tiny_untied_dir)
-    for kwargs in ({"layers_per_call": 0}, {"buckets": (0, 4)}, {"buckets": ()}):
-        with pytest.raises(ValueError, match="at least 1"):
+    for kwargs, name in (({"layers_per_call": 0}, "layers_per_call"), ({"buckets": (0, 4)}, "buckets"),
+                         ({"buckets": ()}, "buckets")):
+        with pytest.raises(ValueError, match=f"{name} must be .*at least 1"):
             CompiledPagedRunner(model, num_blocks=8, compile=False, **kwargs)

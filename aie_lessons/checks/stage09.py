@@ -236,16 +236,19 @@ def check_decode_attention(decode_attention) -> None:
                   "bf16 cache and scores in the hundreds, on views of a longer cache that it leaves unchanged")
 
 
+VOCAB = 500  # the token ids of the check's rows
+
+
 def _rows(n: int, width: int, generator: torch.Generator):
     """A decode step's rows as the engine prepares them: n requests of random lengths ≤ width,
     each reading its own slots (below 1000; the scratch slot is 1000)."""
     from aie_lessons.engine.compiled_runner import DecodeRows
 
     lengths = torch.randint(1, width + 1, (n,), generator=generator)
-    lengths[0] = width  # the longest row sets the width
+    lengths[:1] = width  # the longest row sets the width (a step of padding only has no rows)
     columns = torch.randint(0, 1000, (n, width), generator=generator)
     visible = torch.arange(width)[None, :] < lengths[:, None]
-    return DecodeRows(torch.randint(1, 500, (n,), generator=generator), lengths - 1,
+    return DecodeRows(torch.randint(1, VOCAB, (n,), generator=generator), lengths - 1,
                       columns[torch.arange(n), lengths - 1], columns, visible)
 
 
@@ -253,17 +256,23 @@ FIELDS = ("ids", "positions", "slots", "columns", "visible")
 
 
 def check_pad_rows(pad_rows) -> None:
-    """9.3: steps of 1, 3, 5 and 16 rows padded to their buckets (and a step that fills its bucket):
-    the real rows first and unchanged, the inputs untouched, every tensor's dtype kept, and each
-    padding row writing only the scratch slot, seeing at least one column, with a valid token id."""
+    """9.3: steps of 1, 3, 5 and 16 rows padded to their buckets, a step that fills its bucket and
+    one of padding only (as ``warm_up`` sends): the real rows first and unchanged, the inputs
+    untouched, every tensor's dtype kept, and each padding row writing and reading only the
+    scratch slot, seeing at least one column, with a valid token id."""
     generator = torch.Generator().manual_seed(93)
     scratch = 1000
-    for n, width, bucket in ((3, 7, 4), (1, 1, 2), (5, 12, 16), (16, 9, 16)):
+    for n, width, bucket in ((3, 7, 4), (1, 1, 2), (5, 12, 16), (16, 9, 16), (0, 2, 4)):
         rows = _rows(n, width, generator)
-        before = {name: getattr(rows, name).clone() for name in FIELDS}
-        what = f"{n} rows of up to {width} positions padded to {bucket}"
+        given = {name: getattr(rows, name) for name in FIELDS}
+        before = {name: tensor.clone() for name, tensor in given.items()}
+        what = (f"{n} row{'s' * (n != 1)} of up to {width} positions padded to {bucket}" if n else
+                f"a step of padding only ({bucket} rows), as warm_up sends")
         out = call("9.3", pad_rows, rows, bucket, scratch)
         for name in FIELDS:
+            if getattr(rows, name) is not given[name]:
+                fail("9.3", f"{what}: your code replaced rows.{name} on the input DecodeRows — leave the input "
+                            "alone and return a new DecodeRows(...) holding the padded tensors")
             if not torch.equal(getattr(rows, name), before[name]):
                 fail("9.3", f"{what}: your code changed rows.{name} in place — the rows are the batch the engine "
                             "prepared: build new tensors (torch.cat makes one) instead of writing into them")
@@ -296,8 +305,8 @@ def check_pad_rows(pad_rows) -> None:
             fail("9.3", f"{what}: a padding row's visible column is slot {int(first_visible.flatten()[0])}, not the "
                         f"scratch slot ({scratch}): pad the columns with the scratch slot too")
         ids = out.ids[pad]
-        if ((ids < 0) | (ids > before["ids"].max())).any():
+        if ((ids < 0) | (ids >= VOCAB)).any():
             fail("9.3", f"{what}: padding token id {int(ids.min() if (ids < 0).any() else ids.max())} may not be "
-                        "in the embedding table: pad with 0, an id every vocabulary has")
-    passed("9.3", "pads 1, 3, 5 and 16 rows to their buckets: real rows first and unchanged, inputs untouched, "
+                        f"in the embedding table (this check's has {VOCAB} ids): pad with 0, an id every vocabulary has")
+    passed("9.3", "pads 1, 3, 5, 16 and 0 rows to their buckets: real rows first and unchanged, inputs untouched, "
                   "dtypes kept, padding written to and read from the scratch slot only, one visible column each")

@@ -4,7 +4,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any
 
@@ -18,7 +20,7 @@ from aie_lessons.engine.paged_cache import blocks_for_budget, slot_pool_bytes
 from aie_lessons.engine.paged_runner import PagedModelRunner
 from aie_lessons.engine.preemption import PagedScheduler
 from aie_lessons.engine.scheduler import SchedulerConfig
-from aie_lessons.fast_decode import LayerWeights, Stored, pack_weights, rope_one_token
+from aie_lessons.fast_decode import LayerInputs, layer_weights, pack_weights, rope_one_token
 from aie_lessons.model import LlamaModel, rms_norm, rope_cos_sin
 from aie_lessons.output import stop_token_ids
 from aie_lessons.quantize import QuantizedLinear
@@ -42,7 +44,8 @@ def bucket_for(rows: int, buckets: tuple[int, ...]) -> int:
 
 @dataclass
 class DecodeRows:
-    """A decode-only step's inputs: row i is request i's new token (n rows, T the longest context)."""
+    """A step's one-token chunks, row i the i-th: a request's new token, or a one-token prompt
+    chunk (n rows; T, the columns' width, the longest row's positions)."""
 
     ids: torch.Tensor  # (n,) token ids
     positions: torch.Tensor  # (n,) each token's position (RoPE)
@@ -99,13 +102,16 @@ def rows_layer(
     x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rows: DecodeRows, keys: torch.Tensor,
     values: torch.Tensor, eps: float, qkv: torch.Tensor, o: torch.Tensor, gate_up: torch.Tensor,
     down: torch.Tensor, input_norm: torch.Tensor, post_norm: torch.Tensor,
-) -> tuple[torch.Tensor, Stored]:
+) -> torch.Tensor:
     """One decoder layer for B rows: x (B, hidden) fp32, cos/sin (B, 1, D); keys/values are this
-    layer's pool flattened to (slots, Hkv, D), written at ``rows.slots`` in place."""
+    layer's pool flattened to (slots, Hkv, D), written at ``rows.slots`` in place.
+
+    Unlike the ladder's step, nothing is returned only to be stored (``Stored``): the inputs of
+    ``F.linear`` are always materialised, so there is no recomputation to prevent.
+    """
     batch, head_dim, num_kv_heads = x.shape[0], cos.shape[-1], keys.shape[1]
     kv_size = num_kv_heads * head_dim
-    normed = rms_norm(x, input_norm, eps)
-    projected = linear(normed, qkv)
+    projected = linear(rms_norm(x, input_norm, eps), qkv)
     q, k, v = projected.split([projected.shape[1] - 2 * kv_size, kv_size, kv_size], dim=1)
     q = rope_one_token(q.reshape(batch, -1, head_dim), cos, sin)  # (B, Hq, D)
     k = rope_one_token(k.reshape(batch, num_kv_heads, head_dim), cos, sin)
@@ -113,104 +119,103 @@ def rows_layer(
     values.index_copy_(0, rows.slots, v.reshape(batch, num_kv_heads, head_dim).to(values.dtype))
     attended = rows_attention(q, keys[rows.columns], values[rows.columns], rows.visible)
     x = x + linear(attended.reshape(batch, -1), o)
-    normed_mid = rms_norm(x, post_norm, eps)
-    gate, up = linear(normed_mid, gate_up).chunk(2, dim=-1)
-    return x + linear(F.silu(gate) * up, down), (normed, normed_mid)
+    gate, up = linear(rms_norm(x, post_norm, eps), gate_up).chunk(2, dim=-1)
+    return x + linear(F.silu(gate) * up, down)
 
 
-def rows_layers(
-    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rows: DecodeRows, eps: float,
-    layers: list[tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...]]],
-) -> tuple[torch.Tensor, Stored]:
-    """``rows_layer`` over a few layers in one compiled call, as the ladder's rung 7."""
-    stored: Stored = ()
+def rows_layers(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rows: DecodeRows, eps: float,
+                layers: list[LayerInputs]) -> torch.Tensor:
+    """``rows_layer`` over a few layers in one compiled call, as the ladder's rung 7; each layer's
+    inputs are (keys, values, weights), the keys and values its flattened pool."""
     for keys, values, weights in layers:
-        x, more = rows_layer(x, cos, sin, rows, keys, values, eps, *weights)
-        stored += more
-    return x, stored
+        x = rows_layer(x, cos, sin, rows, keys, values, eps, *weights)
+    return x
 
 
-def rows_head(x: torch.Tensor, norm: torch.Tensor, eps: float, head: torch.Tensor) -> tuple[torch.Tensor, Stored]:
+def rows_head(x: torch.Tensor, norm: torch.Tensor, eps: float, head: torch.Tensor) -> torch.Tensor:
     """Final norm and output head: logits (B, vocab) fp32, for the sampler."""
-    normed = rms_norm(x, norm, eps)
-    return linear(normed, head), (normed,)
+    return linear(rms_norm(x, norm, eps), head)
 
 
 class CompiledPagedRunner(PagedModelRunner):
     """A paged runner whose decode-only steps run compiled, padded to batch-size buckets.
 
-    Steps with prompt chunks run the eager model (stage 07's ``run``). Each bucket compiles on
-    first use, or in ``warm_up``; the number of cached positions is a symbol in the compiled
-    code, so a bucket never recompiles as requests grow. ``compile=False`` runs the same step
-    eagerly (to compare). Weights fp32 or bf16, activations fp32; the weights are copied into
-    one packed block, so the model is not changed. Like ``FastDecoder``, a compiling runner
-    raises dynamo's process-wide ``recompile_limit`` to at least 64 (one version per bucket).
+    Steps with a prompt chunk of more than one token — and steps of more rows than the largest
+    bucket — run the eager model (stage 07's ``run``, reading the cache by gathering, also on a
+    GPU). Each bucket compiles on first use, or in ``warm_up``. ``compile=False`` runs the same
+    step eagerly (to compare). Weights fp32 or bf16, activations fp32; the weights are copied
+    into one packed block, so the model is not changed. Like ``FastDecoder``, a compiling runner
+    raises dynamo's process-wide ``recompile_limit`` to at least 64.
     """
 
     def __init__(self, model: LlamaModel, num_blocks: int, block_size: int = 16, attention: str = "sdpa",
-                 prefix_caching: bool = True, compile: bool = True, layers_per_call: int = 5,
-                 buckets: tuple[int, ...] = BATCH_BUCKETS):
+                 kv_dtype: torch.dtype | None = None, prefix_caching: bool = True, compile: bool = True,
+                 layers_per_call: int = 5, buckets: tuple[int, ...] = BATCH_BUCKETS):
         refusal = compiled_step_refusal(model)
         if refusal:
             raise ValueError(refusal)
-        if layers_per_call < 1 or not buckets or min(buckets) < 1:
-            raise ValueError(f"layers_per_call ({layers_per_call}) and every bucket ({buckets}) must be at least 1")
-        # One block more than the allocator knows of: the scratch block padding rows write to.
-        super().__init__(model, num_blocks + 1, block_size, attention, None, prefix_caching, decode="gather")
+        if layers_per_call < 1:
+            raise ValueError(f"layers_per_call must be at least 1, got {layers_per_call}")
+        if not buckets or min(buckets) < 1:
+            raise ValueError(f"buckets must be batch sizes of at least 1, got {buckets}")
+        # The cache gets one block more than the allocator hands out: the scratch block, which
+        # padding rows write to. (The parent's allocator, for all the blocks, is replaced.)
+        super().__init__(model, num_blocks + 1, block_size, attention, kv_dtype, prefix_caching, decode="gather")
         self.allocator = PagedAllocator(num_blocks, block_size, prefix_caching)
         self.scratch_slot = num_blocks * block_size
-        self.buckets = tuple(sorted(buckets))
+        self.buckets = tuple(sorted(set(buckets)))
         self.block, matrices = pack_weights(model)
-        layers = []
-        for i, layer in enumerate(model.layers):
-            weights = LayerWeights(*matrices[4 * i:4 * i + 4], layer.input_layernorm.weight.detach().float(),
-                                   layer.post_attention_layernorm.weight.detach().float())
-            layers.append((self.cache.keys[i].flatten(0, 1), self.cache.values[i].flatten(0, 1), weights.tensors()))
+        pools = [(self.cache.keys[i].flatten(0, 1), self.cache.values[i].flatten(0, 1)) for i in range(len(model.layers))]
+        for pool in (p for pair in pools for p in pair):
+            torch._dynamo.mark_dynamic(pool, 0)  # one compiled version for any KV budget
+        layers = [(keys, values, weights.tensors())
+                  for (keys, values), weights in zip(pools, layer_weights(model, matrices))]
         self.calls = [layers[i:i + layers_per_call] for i in range(0, len(layers), layers_per_call)]
         self.head, self.final_norm = matrices[-1], model.norm.weight.detach().float()
         self.embed = model.embed_tokens.weight.detach()
         if compile:
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-            # dynamic=False: each bucket is its own specialised version (the positions axis is
-            # marked dynamic in run, so it alone stays a symbol).
+            # dynamic=False: each bucket is its own specialised version; only the axes marked
+            # dynamic (positions, pool slots) stay symbols.
             compiled = partial(torch.compile, dynamic=False, options={"size_asserts": False})
             self.rows_layers, self.rows_head = compiled(rows_layers), compiled(rows_head)
         else:
             self.rows_layers, self.rows_head = rows_layers, rows_head
 
-    @torch.inference_mode()
     def run(self, batch: PagedBatch) -> torch.Tensor:
         """Logits (K, vocab), fp32: compiled when every chunk is one token, eager otherwise."""
-        if batch.chunks or not len(batch.decode_rows):
+        rows = len(batch.decode_rows)
+        if batch.chunks or not rows or rows > self.buckets[-1]:
             return super().run(batch)
-        rows = decode_rows(batch)
-        logits = self.decode_step(pad_rows(rows, bucket_for(len(rows.ids), self.buckets), self.scratch_slot))
+        with torch.no_grad():
+            logits = self.decode_step(pad_rows(decode_rows(batch), bucket_for(rows, self.buckets), self.scratch_slot))
         if logits.is_cuda:
             torch.cuda.synchronize(logits.device)
         return logits[batch.sample_rows]
 
     def decode_step(self, rows: DecodeRows) -> torch.Tensor:
-        """Logits (B, vocab) fp32 of padded rows, through the compiled functions."""
+        """Logits (B, vocab) fp32 of padded rows, through the compiled functions (call under no_grad)."""
+        if rows.columns.shape[1] < 2:  # one position: a masked second column keeps T a symbol
+            rows = replace(rows, columns=F.pad(rows.columns, (0, 1), value=self.scratch_slot),
+                           visible=F.pad(rows.visible, (0, 1), value=False))
         torch._dynamo.mark_dynamic(rows.columns, 1)
         torch._dynamo.mark_dynamic(rows.visible, 1)
         cos, sin = (t[0, :, None] for t in rope_cos_sin(rows.positions[None], self.config.head_dim,
                                                            self.config.rope_theta))  # (B, 1, D)
         x = self.embed[rows.ids].float()
-        eps = self.config.rms_norm_eps
         for layers in self.calls:
-            x, _ = self.rows_layers(x, cos, sin, rows, eps, layers)
-        logits, _ = self.rows_head(x, self.final_norm, eps, self.head)
-        return logits
+            x = self.rows_layers(x, cos, sin, rows, self.config.rms_norm_eps, layers)
+        return self.rows_head(x, self.final_norm, self.config.rms_norm_eps, self.head)
 
+    @torch.no_grad()
     def warm_up(self, max_rows: int | None = None) -> None:
         """Compile (or load from inductor's cache) every bucket up to ``max_rows``: a step of
         padding only, which writes nothing but the scratch block."""
         empty = torch.empty(0, dtype=torch.long, device=self.device)
+        nothing = DecodeRows(empty, empty, empty, empty.view(0, 2), empty.view(0, 2).bool())
+        largest = self.buckets[-1] if max_rows is None else bucket_for(min(max_rows, self.buckets[-1]), self.buckets)
         for bucket in self.buckets:
-            if max_rows is not None and bucket > bucket_for(max_rows, self.buckets):
-                break
-            nothing = DecodeRows(empty, empty, empty, empty.view(0, 2), empty.view(0, 2).bool())
-            for _ in range(2):  # the second call checks that the first left nothing to recompile
+            if bucket <= largest:
                 self.decode_step(pad_rows(nothing, bucket, self.scratch_slot))
 
 
@@ -231,14 +236,16 @@ def compiled_step_refusal(model: LlamaModel) -> str | None:
 
 def compiled_engine(model: LlamaModel, tokenizer: Tokenizer, max_seqs: int = 64, token_budget: int = 256,
                     kv_bytes: int | None = None, block_size: int = 16, prefix_caching: bool = True,
-                    compile: bool = True, buckets: tuple[int, ...] = BATCH_BUCKETS) -> Engine:
-    """Stage 07's ``paged_engine`` with a ``CompiledPagedRunner``: the same scheduler, sampler and
-    KV budget (the scratch block comes on top of ``kv_bytes``). The step is compiled for the
-    ``buckets`` below ``max_seqs`` and for ``max_seqs`` itself, the largest batch it can get."""
-    dtype = model.embed_tokens.weight.dtype
+                    aging_rate: float = 1.0, attention: str = "sdpa", kv_dtype: torch.dtype | None = None,
+                    clock: Callable[[], float] = time.perf_counter, compile: bool = True,
+                    buckets: tuple[int, ...] = BATCH_BUCKETS) -> Engine:
+    """Stage 07's ``paged_engine`` with a ``CompiledPagedRunner``: the same arguments, scheduler,
+    sampler and KV budget (the scratch block comes on top of ``kv_bytes``). The step is compiled
+    for the ``buckets`` below ``max_seqs`` and for ``max_seqs`` itself, the largest batch it gets."""
+    dtype = kv_dtype or model.embed_tokens.weight.dtype
     kv_bytes = slot_pool_bytes(model.config, 16, 1024, block_size, dtype) if kv_bytes is None else kv_bytes
     runner = CompiledPagedRunner(model, blocks_for_budget(model.config, kv_bytes, block_size, dtype), block_size,
-                                 prefix_caching=prefix_caching, compile=compile,
+                                 attention, kv_dtype, prefix_caching, compile,
                                  buckets=tuple(b for b in buckets if b < max_seqs) + (max_seqs,))
-    config = SchedulerConfig(max_seqs, token_budget)
-    return Engine(runner, tokenizer, stop_token_ids(model.config, tokenizer), config, scheduler_class=PagedScheduler)
+    config = SchedulerConfig(max_seqs, token_budget, aging_rate)
+    return Engine(runner, tokenizer, stop_token_ids(model.config, tokenizer), config, clock, PagedScheduler)
