@@ -404,6 +404,23 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    """Stage 10: the engine behind an OpenAI-compatible HTTP API, until SIGTERM or Ctrl-C drains it."""
+    try:
+        import fastapi  # noqa: F401 - the serve extra's packages, checked before the model loads
+        import uvicorn  # noqa: F401
+    except ImportError as exc:
+        raise UsageError(f"aie serve needs the serve extra ({exc.name} is missing). Fix: "
+                         ".venv/bin/pip install -e '.[serve]'") from exc
+    from aie_lessons.server.config import load_config
+    from aie_lessons.server.serve import serve
+
+    config = load_config(args.config).with_overrides(
+        host=args.host, port=args.port, model_dir=args.model, dtype=args.dtype, max_seqs=args.max_seqs,
+        max_waiting=args.max_waiting, kv_memory_mb=args.kv_memory_mb, drain_timeout_s=args.drain_timeout)
+    return serve(config)
+
+
 def _env(args: argparse.Namespace) -> int:
     from aie_lessons.infra.environment import environment_report
 
@@ -463,6 +480,12 @@ def port_number(text: str) -> int:
     if not 1024 <= value <= 65535:
         raise argparse.ArgumentTypeError(f"{value} is not a port from 1024 to 65535")
     return value
+
+
+def port_or_zero(text: str) -> int:
+    """A port for ``aie serve``: 0 asks the system for a free one (the tests' way; the server
+    prints the one it got)."""
+    return 0 if text.strip() == "0" else port_number(text)
 
 
 def positive_int(text: str) -> int:
@@ -545,6 +568,21 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--model", metavar="DIR", help="checkpoint folder (default: the fetched model)")
     gen.set_defaults(run=_generate)
 
+    srv = commands.add_parser("serve", help="serve the engine over HTTP: OpenAI-compatible, on 127.0.0.1")
+    srv.add_argument("--config", type=Path, metavar="FILE",
+                     help="a YAML file of settings (server/config.py's ServeConfig lists them); flags override it")
+    srv.add_argument("--host", help="address to listen on (default 127.0.0.1; another needs an api_key)")
+    srv.add_argument("--port", type=port_or_zero, help="default 8000; 0 picks a free one")
+    srv.add_argument("--model", metavar="DIR", help="checkpoint folder (default: the fetched model)")
+    srv.add_argument("--dtype", choices=("float32", "bfloat16"), help="the weights' dtype (default float32)")
+    srv.add_argument("--max-seqs", type=positive_int, metavar="N", help="requests running at once (default 16)")
+    srv.add_argument("--max-waiting", type=int, metavar="N",
+                     help="accepted requests waiting to run; one more gets 503 (default 64)")
+    srv.add_argument("--kv-memory-mb", type=float, metavar="MB", help="the paged KV pool (default: stage 07's)")
+    srv.add_argument("--drain-timeout", type=float, metavar="SECONDS",
+                     help="on SIGTERM, how long in-flight requests may take to finish (default 30)")
+    srv.set_defaults(run=_serve)
+
     env = commands.add_parser("env", help="report versions, hardware and Triton availability")
     env.set_defaults(run=_env)
 
@@ -586,6 +624,7 @@ COURSE_ERRORS = (
     ("aie_lessons.infra.model_files", "ModelFilesError"),
     ("aie_lessons.kv_cache", "CacheFullError"),
     ("aie_lessons.sampling", "SamplingParamsError"),
+    ("aie_lessons.server.config", "ServeConfigError"),
     ("aie_lessons.weights", "WeightsError"),
 )
 

@@ -5,8 +5,8 @@ learner's code after ``aie commit``): it recomputes the expected result from the
 formula, and when the answer is wrong it tries the usual wrong answers to say which one it was.
 """
 
-from aie_lessons.checks import stage01, stage02, stage03, stage04, stage05, stage06, stage07, stage08, stage09
+from aie_lessons.checks import stage01, stage02, stage03, stage04, stage05, stage06, stage07, stage08, stage09, stage10
 from aie_lessons.checks.common import CheckFailed
 from aie_lessons.checks.hints import hint
 
-__all__ = ["CheckFailed", "hint", "stage01", "stage02", "stage03", "stage04", "stage05", "stage06", "stage07", "stage08", "stage09"]
+__all__ = ["CheckFailed", "hint", "stage01", "stage02", "stage03", "stage04", "stage05", "stage06", "stage07", "stage08", "stage09", "stage10"]
