@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from aie_lessons.checks.common import CheckFailed, fail, passed
 
-STALL_S = 0.15  # the loop held this long without a heartbeat tick: blocking code
+STALL_S = 0.3  # the loop held this long without a heartbeat tick: blocking code
 
 
 def _run(exercise: str, coroutine_factory, timeout: float):
@@ -39,24 +39,25 @@ def _run(exercise: str, coroutine_factory, timeout: float):
 
 
 class Heartbeat:
-    """Ticks every 10 ms on the loop; ``longest`` is the longest gap between two ticks."""
+    """Ticks every 10 ms on the loop; ``longest`` is the longest gap between two ticks (the last
+    one up to the exit included: code that never awaits leaves no tick at all)."""
 
     def __init__(self):
-        self.longest, self._task = 0.0, None
+        self.longest, self.last, self._task = 0.0, 0.0, None
 
     async def __aenter__(self):
         async def beat():
-            last = time.perf_counter()
             while True:
                 await asyncio.sleep(0.01)
                 now = time.perf_counter()
-                self.longest, last = max(self.longest, now - last), now
+                self.longest, self.last = max(self.longest, now - self.last), now
 
+        self.last = time.perf_counter()
         self._task = asyncio.ensure_future(beat())
-        await asyncio.sleep(0)
         return self
 
     async def __aexit__(self, *exc):
+        self.longest = max(self.longest, time.perf_counter() - self.last - 0.01)
         self._task.cancel()
 
 
@@ -97,6 +98,9 @@ def _frames(exercise: str, items: list, what: str) -> list[str]:
         if not frame.startswith("data: "):
             fail(exercise, f"{what}: the frame {frame!r:.60} does not start with 'data: ' — each frame is "
                            "b'data: ' + payload + b'\\n\\n'")
+        if "\ndata: " in frame:
+            fail(exercise, f"{what}: two frames ran together ({frame!r:.80}): every frame ends with a blank "
+                           "line ('\\n\\n') — with one '\\n' the client reads them as one event")
         if "\n" in frame:
             fail(exercise, f"{what}: the frame {frame!r:.80} spans several lines: a line break ends an SSE "
                            "field, so the JSON must be on one line — json.dumps(data) without indent")

@@ -134,6 +134,7 @@ class AsyncEngine:
             while True:
                 self._wake.clear()  # before reading the inbox: a message sent after this wakes us
                 self._take_inbox()
+                self._gauges()
                 if self.engine.has_work():
                     self._deliver(self.engine.step())
                 elif self._stopping:
@@ -174,15 +175,19 @@ class AsyncEngine:
         if self.engine.stats:
             stats = self.engine.stats.pop()  # a server runs for weeks: keep only what the metrics need
             metrics.batch.observe(len(stats.chunks))
-            metrics.running.set(stats.running)
             for request_id in {chunk[0] for chunk in stats.chunks}:  # tokens sampled in this step
                 request = requests[request_id]
                 metrics.generated_tokens.inc(len(request.output_ids) - self._counted.get(request_id, 0))
                 self._counted[request_id] = len(request.output_ids)
         for request in finished:
             self._finished(request)
-        metrics.waiting.set(self.waiting())
-        metrics.kv_used.set(self.engine.runner.allocator.used)
+
+    def _gauges(self) -> None:
+        """Running, waiting and KV in use, as of now: read before each step and before the thread
+        sleeps, so that an abort with no step after it shows too."""
+        self.metrics.running.set(len(self.engine.scheduler.running))
+        self.metrics.waiting.set(self.waiting())
+        self.metrics.kv_used.set(self.engine.runner.allocator.used)
 
     def _finished(self, request: Request) -> None:
         """A request the engine ended: its final event, its metrics, and the engine forgets it."""

@@ -1,0 +1,316 @@
+"""`aie serve` as a real process, exercised with real clients: httpx and the official `openai` package.
+
+Two kinds of server: one on the tiny random checkpoint (starts in seconds; the API's shape, its
+errors, keys and limits), and ones on the course model (its answers equal the offline engine's;
+overload, disconnects, SIGTERM and the hot swap, which need requests that last a while).
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import threading
+
+import httpx
+import openai
+import pytest
+
+from server_process import ServerProcess, sse_payloads, wait_until
+
+API_KEY, ADMIN_KEY = "test-api-key", "test-admin-key"
+KEYS = {"AIE_API_KEY": API_KEY, "AIE_ADMIN_KEY": ADMIN_KEY}
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def tiny_server(tiny_dir, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("serve")
+    config = folder / "serve.yaml"
+    config.write_text("max_body_bytes: 4096\nmax_seqs: 4\n")
+    server = ServerProcess(["--model", str(tiny_dir), "--config", str(config)], folder / "server.log", env=KEYS)
+    yield server
+    server.stop()
+
+
+def post(server, path: str, body, headers=AUTH, timeout: float = 60) -> httpx.Response:
+    return httpx.post(server.url + path, json=body, headers=headers, timeout=timeout)
+
+
+# --- the API's shape, on the tiny model -------------------------------------------------------
+
+
+def test_health_models_and_a_completion(tiny_server):
+    assert httpx.get(tiny_server.url + "/health").json() == {"status": "ready"}
+    models = httpx.get(tiny_server.url + "/v1/models", headers=AUTH).json()
+    assert [m["id"] for m in models["data"]] == ["tiny-llama"]
+    response = post(tiny_server, "/v1/completions", {"prompt": "the cat", "max_tokens": 5, "temperature": 0,
+                                                     "ignore_eos": True})
+    assert response.status_code == 200
+    body = response.json()
+    assert body["object"] == "text_completion" and body["model"] == "tiny-llama"
+    assert body["choices"][0]["finish_reason"] == "length"
+    assert body["usage"]["completion_tokens"] == 5
+    assert body["usage"]["total_tokens"] == body["usage"]["prompt_tokens"] + 5
+
+
+def test_a_stream_holds_the_same_text_as_the_whole_answer(tiny_server):
+    request = {"prompt": "hello world", "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+    whole = post(tiny_server, "/v1/completions", request).json()
+    with httpx.stream("POST", tiny_server.url + "/v1/completions", json=request | {"stream": True}, headers=AUTH,
+                      timeout=60) as response:
+        assert response.headers["content-type"].startswith("text/event-stream")
+        payloads = sse_payloads(response)
+    assert payloads[-1] == "[DONE]"
+    chunks = [json.loads(p) for p in payloads[:-1]]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == whole["choices"][0]["text"]
+    assert [c["choices"][0]["finish_reason"] for c in chunks][-1] == "length"
+    assert all(c["choices"][0]["finish_reason"] is None for c in chunks[:-1])
+
+
+def test_the_openai_client_completions_and_chat(tiny_server):
+    client = openai.OpenAI(base_url=tiny_server.url + "/v1", api_key=API_KEY, max_retries=0)
+    whole = client.completions.create(model="tiny-llama", prompt="the dog", max_tokens=8, temperature=0,
+                                      extra_body={"ignore_eos": True})
+    assert whole.usage.completion_tokens == 8 and whole.choices[0].finish_reason == "length"
+    streamed = client.completions.create(model="tiny-llama", prompt="the dog", max_tokens=8, temperature=0,
+                                         stream=True, stream_options={"include_usage": True},
+                                         extra_body={"ignore_eos": True})
+    pieces = list(streamed)
+    assert "".join(p.choices[0].text for p in pieces if p.choices) == whole.choices[0].text
+    assert pieces[-1].usage.completion_tokens == 8
+
+    messages = [{"role": "user", "content": "hi"}]
+    chat = client.chat.completions.create(model="tiny-llama", messages=messages, max_tokens=6, temperature=0,
+                                          extra_body={"ignore_eos": True})
+    assert chat.choices[0].message.role == "assistant" and chat.usage.completion_tokens == 6
+    deltas = list(client.chat.completions.create(model="tiny-llama", messages=messages, max_tokens=6,
+                                                 temperature=0, stream=True, extra_body={"ignore_eos": True}))
+    assert deltas[0].choices[0].delta.role == "assistant"
+    assert "".join(d.choices[0].delta.content or "" for d in deltas) == chat.choices[0].message.content
+    assert deltas[-1].choices[0].finish_reason == "length"
+
+
+@pytest.mark.parametrize("body, param, message", [
+    ({"prompt": "word " * 80, "max_tokens": 4}, "prompt", "the model's context is 64 tokens"),
+    ({"prompt": "hi", "temperature": -1}, "temperature", "greater than or equal to 0"),
+    ({"prompt": "hi", "top_p": 0}, "top_p", "greater than 0"),
+    ({"prompt": "hi", "max_tokens": "many"}, "max_tokens", "valid integer"),
+    ({"prompt": "hi", "max_token": 5}, "max_token", "unknown field 'max_token'"),
+    ({"prompt": "hi", "n": 2}, "n", "one choice per request"),
+    ({"prompt": "hi", "logprobs": 3}, "logprobs", "not returned"),
+    ({"prompt": ["a", "b"]}, "prompt", "one per request"),
+    ({"prompt": ""}, "prompt", "the prompt is empty"),
+    ({"prompt": [5, 100000]}, "prompt", "outside the vocabulary"),
+    ({"max_tokens": 3}, "prompt", "Field required"),
+])
+def test_bad_input_gets_400_naming_the_field(tiny_server, body, param, message):
+    response = post(tiny_server, "/v1/completions", body)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and message in error["message"], error
+
+
+def test_other_bad_requests(tiny_server):
+    not_json = httpx.post(tiny_server.url + "/v1/completions", content=b"{not json", headers=AUTH | {
+        "content-type": "application/json"})
+    assert not_json.status_code == 400 and "not valid JSON" in not_json.json()["error"]["message"]
+    wrong_model = post(tiny_server, "/v1/completions", {"prompt": "hi", "model": "gpt-4"})
+    assert wrong_model.status_code == 404 and "tiny-llama" in wrong_model.json()["error"]["message"]
+    chat = post(tiny_server, "/v1/chat/completions", {"messages": [{"role": "robot", "content": "hi"}]})
+    assert chat.status_code == 400 and chat.json()["error"]["param"] == "messages.0.role"
+
+
+def test_a_body_over_the_limit_gets_413(tiny_server):
+    big = {"prompt": "x" * 5000}
+    declared = post(tiny_server, "/v1/completions", big)
+    assert declared.status_code == 413 and "max_body_bytes" in declared.json()["error"]["message"]
+
+    def chunks():  # no Content-Length: the limit is enforced as the body arrives
+        data = json.dumps(big).encode()
+        for i in range(0, len(data), 1000):
+            yield data[i:i + 1000]
+
+    streamed = httpx.post(tiny_server.url + "/v1/completions", content=chunks(), headers=AUTH | {
+        "content-type": "application/json"})
+    assert streamed.status_code == 413 and "max_body_bytes" in streamed.json()["error"]["message"]
+
+
+def test_keys(tiny_server):
+    body = {"prompt": "hi", "max_tokens": 1}
+    assert post(tiny_server, "/v1/completions", body, headers={}).status_code == 401
+    wrong = post(tiny_server, "/v1/completions", body, headers={"Authorization": "Bearer nope"})
+    assert wrong.status_code == 401 and "Authorization: Bearer" in wrong.json()["error"]["message"]
+    assert httpx.get(tiny_server.url + "/v1/models").status_code == 401
+    assert httpx.get(tiny_server.url + "/health").status_code == 200  # probes need no key
+    assert httpx.get(tiny_server.url + "/metrics").status_code == 200
+    # the admin route takes the admin key only, never the API key
+    assert post(tiny_server, "/admin/swap", {"model_dir": "x"}, headers=AUTH).status_code == 401
+
+
+def test_each_request_has_an_id_in_its_response_and_a_json_log_line(tiny_server):
+    response = post(tiny_server, "/v1/completions", {"prompt": "hi", "max_tokens": 2},
+                    headers=AUTH | {"X-Request-Id": "trace-42"})
+    assert response.headers["x-request-id"] == "trace-42"
+    generated = post(tiny_server, "/v1/completions", {"prompt": "hi", "max_tokens": 2})
+    assert len(generated.headers["x-request-id"]) == 32
+    wait_until(lambda: any(line.get("request_id") == "trace-42" for line in tiny_server.logs()),
+               what="a log line for trace-42")
+    line = next(line for line in tiny_server.logs() if line.get("request_id") == "trace-42")
+    assert line["status"] == 200 and line["path"] == "/v1/completions" and line["ms"] >= 0
+
+
+def test_a_bad_config_is_refused_by_name(tmp_path):
+    import subprocess
+    import sys
+
+    config = tmp_path / "serve.yaml"
+    config.write_text("max_seq: 4\n")
+    run = subprocess.run([sys.executable, "-m", "aie_lessons.cli", "serve", "--config", str(config)],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2 and "unknown field 'max_seq'" in run.stderr and "'max_seqs'" in run.stderr
+
+
+# --- the course model: answers, overload, disconnects, SIGTERM, hot swap ------------------------
+
+
+@pytest.fixture(scope="module")
+def real_server(real_model_dir, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("serve-real")
+    server = ServerProcess(["--model", str(real_model_dir), "--max-seqs", "2", "--max-waiting", "1"],
+                           folder / "server.log", env=KEYS)
+    yield server
+    server.stop()
+
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Three primary colours are"]
+
+
+def test_greedy_answers_equal_the_offline_engine(real_server, real_model, real_model_dir):
+    from aie_lessons.engine.paged_engine import paged_engine
+    from aie_lessons.sampling import SamplingParams
+    from aie_lessons.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_pretrained(real_model_dir)
+    offline = paged_engine(real_model, tokenizer, max_seqs=2).generate(PROMPTS, SamplingParams(max_new_tokens=24))
+    client = openai.OpenAI(base_url=real_server.url + "/v1", api_key=API_KEY, max_retries=0)
+    for prompt, reference in zip(PROMPTS, offline):
+        answer = client.completions.create(model=real_model_dir.name, prompt=prompt, max_tokens=24, temperature=0)
+        assert answer.choices[0].text == reference.text
+        assert answer.usage.completion_tokens == len(reference.token_ids)
+        streamed = client.completions.create(model=real_model_dir.name, prompt=prompt, max_tokens=24,
+                                             temperature=0, stream=True)
+        assert "".join(chunk.choices[0].text for chunk in streamed) == reference.text
+
+
+def _stream_in_background(server, body: dict, started: threading.Event | None = None) -> tuple[threading.Thread, dict]:
+    """A streaming request on a thread: ``result`` gets its status, payloads and finish reason."""
+    result: dict = {}
+
+    def run():
+        with httpx.stream("POST", server.url + "/v1/completions", json=body | {"stream": True}, headers=AUTH,
+                          timeout=120) as response:
+            result["status"] = response.status_code
+            if started is not None:
+                started.set()
+            if response.status_code != 200:
+                response.read()
+                result["body"] = response.json()
+                return
+            payloads = sse_payloads(response)
+        result["payloads"] = payloads
+        result["finish_reason"] = json.loads(payloads[-2])["choices"][0]["finish_reason"]
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread, result
+
+
+LONG = {"prompt": "Once upon a time", "max_tokens": 60, "ignore_eos": True, "temperature": 0}
+
+
+def test_a_full_queue_gets_503_with_retry_after_and_loses_nothing(real_server):
+    running = [_stream_in_background(real_server, LONG) for _ in range(2)]
+    wait_until(lambda: real_server.metric("aie_requests_running") == 2, what="2 requests running")
+    accepted = threading.Event()
+    waiting = _stream_in_background(real_server, LONG, accepted)
+    assert accepted.wait(30)
+    refused = post(real_server, "/v1/completions", LONG)
+    assert refused.status_code == 503, refused.text
+    assert 1 <= int(refused.headers["retry-after"]) <= 60
+    assert "max_waiting=1" in refused.json()["error"]["message"]
+    for thread, result in [*running, waiting]:
+        thread.join(120)
+        assert result["status"] == 200 and result["payloads"][-1] == "[DONE]" and result["finish_reason"] == "length"
+    assert real_server.metric("aie_requests_rejected_total", 'reason="queue_full"') >= 1
+
+
+def test_a_client_that_disconnects_is_aborted_and_its_blocks_freed(real_server):
+    aborted_before = real_server.metric("aie_requests_finished_total", 'finish_reason="abort"') or 0
+    long = LONG | {"max_tokens": 400}
+    with httpx.stream("POST", real_server.url + "/v1/completions", json=long | {"stream": True}, headers=AUTH,
+                      timeout=60) as response:
+        lines = response.iter_lines()
+        assert next(lines).startswith("data: ")
+        wait_until(lambda: real_server.metric("aie_kv_blocks_used") > 0, what="KV blocks in use")
+    # the stream was closed after its first event: the request ends and frees its blocks at once
+    wait_until(lambda: real_server.metric("aie_kv_blocks_used") == 0, timeout=5, what="KV blocks back to 0")
+    assert real_server.metric("aie_requests_finished_total", 'finish_reason="abort"') == aborted_before + 1
+    assert real_server.metric("aie_requests_running") == 0
+
+    with pytest.raises(httpx.ReadTimeout):  # a client that gives up on a non-streaming request
+        post(real_server, "/v1/completions", long, timeout=1.0)
+    wait_until(lambda: real_server.metric("aie_requests_finished_total", 'finish_reason="abort"')
+               == aborted_before + 2, timeout=5, what="the second abort")
+    wait_until(lambda: real_server.metric("aie_kv_blocks_used") == 0, timeout=5, what="KV blocks back to 0")
+
+
+def test_a_hot_swap_loses_no_request(real_server, real_model_dir):
+    before = [_stream_in_background(real_server, LONG) for _ in range(2)]
+    wait_until(lambda: real_server.metric("aie_requests_running") == 2, what="2 requests running")
+    swap: dict = {}
+    swapper = threading.Thread(target=lambda: swap.update(response=httpx.post(
+        real_server.url + "/admin/swap", json={"model_dir": str(real_model_dir), "dtype": "bfloat16",
+                                               "model_name": "smollm2-bf16"}, headers=ADMIN, timeout=300)))
+    swapper.start()
+    during = []
+    while swapper.is_alive() and len(during) < 20:  # requests keep coming while the swap goes on
+        during.append(post(real_server, "/v1/completions", {"prompt": "Hello", "max_tokens": 4}))
+    swapper.join(300)
+    assert swap["response"].status_code == 200, swap["response"].text
+    report = swap["response"].json()
+    assert report["new"] == "smollm2-bf16" and report["aborted"] == 0 and report["drained"] >= 0
+    for thread, result in before:
+        thread.join(120)
+        assert result["status"] == 200 and result["finish_reason"] == "length"
+    assert all(r.status_code in (200, 503) for r in during)
+    refused = [r for r in during if r.status_code == 503]
+    assert all("max_waiting" in r.json()["error"]["message"] for r in refused)  # the queue, never the swap
+    models = httpx.get(real_server.url + "/v1/models", headers=AUTH).json()
+    assert [m["id"] for m in models["data"]] == ["smollm2-bf16"]
+    after = post(real_server, "/v1/completions", {"prompt": "Hello", "max_tokens": 4, "model": "smollm2-bf16"})
+    assert after.status_code == 200 and after.json()["model"] == "smollm2-bf16"
+
+
+@pytest.mark.parametrize("deadline, finish_reason", [(60, "length"), (0.5, "abort")])
+def test_sigterm_drains_in_flight_requests(real_model_dir, tmp_path, deadline, finish_reason):
+    server = ServerProcess(["--model", str(real_model_dir), "--max-seqs", "2", "--drain-timeout", str(deadline)],
+                           tmp_path / "server.log", env=KEYS)
+    try:
+        body = LONG | {"max_tokens": 40 if finish_reason == "length" else 2000}
+        streams = [_stream_in_background(server, body) for _ in range(2)]
+        wait_until(lambda: server.metric("aie_requests_running") == 2, what="2 requests running")
+        server.process.send_signal(signal.SIGTERM)
+        wait_until(lambda: httpx.get(server.url + "/health").status_code == 503, what="/health 503")
+        refused = post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 2})
+        assert refused.status_code == 503 and "shutting down" in refused.json()["error"]["message"]
+        for thread, result in streams:
+            thread.join(120)
+            assert result["payloads"][-1] == "[DONE]" and result["finish_reason"] == finish_reason
+        assert server.process.wait(60) == 0
+        drained = next(line for line in server.logs() if line["message"] == "drained")
+        assert drained["in_flight"] == 2 and drained["aborted"] == (2 if finish_reason == "abort" else 0)
+    finally:
+        server.kill()
