@@ -14,7 +14,7 @@ NBVAL  := --nbval --nbval-current-env --nbval-sanitize-with solutions/sanitize.c
 venv: $(STAMP)
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -e ".[dev]"
+	$(PY) -m pip install -e ".[dev,serve]"
 	touch $(STAMP)
 
 model: $(MODEL)

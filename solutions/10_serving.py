@@ -197,7 +197,7 @@ async def sse_stream(events: AsyncIterator[Event], chunk: Callable[[Event], dict
     ``abort()`` if it ends before the final event (the client went away)."""
     # BEGIN EXERCISE 10.1: yield one SSE frame (bytes) per event with text or a final one — an error frame for an "error" end — then b"data: [DONE]\n\n"; call abort() once if the stream stops before its final event
     # Hint 1: A frame is b"data: " + one line of JSON + b"\n\n": the blank line ends the event. Ending early happens while the generator waits at an await or a yield: the server cancels it or closes it, which raises inside it — so the "did we reach the end?" question belongs in a finally block.
-    # Hint 2: Keep a flag, finished = False; async for event in events: skip it if it has no text and is not final; yield sse_frame(...) of chunk(event), or of {"error": {"message": event.error, "type": "server_error"}} for an "error" end; on the final event set finished = True, yield b"data: [DONE]\n\n" and return. Wrap it all in try/finally: if not finished: abort().
+    # Hint 2: Keep a flag that says whether the final event was reached, set just before the [DONE] frame. Loop over the events with async for; skip the empty non-final ones; build each frame with sse_frame from chunk(event), or from an error dict for an "error" end; after the final event's frame send the literal [DONE] frame and return. Put the loop inside try, and in its finally call abort() when the flag is still unset.
     finished = False
     try:
         async for event in events:
@@ -296,7 +296,7 @@ def admission(waiting: int, max_waiting: int, draining: bool, finish_rate: float
     server is draining. ``finish_rate``: requests finished per second lately (0: not known yet)."""
     # BEGIN EXERCISE 10.2: return None if the request may join the queue (waiting + 1 <= max_waiting, not draining), else Refusal(503, retry_after, message) with retry_after from the finish rate, clipped to [1, 60]
     # Hint 1: Two reasons to refuse: the server is draining, or the queue would be over its limit with this request in it. Retry-After estimates when there is room again: the requests over the limit, divided by the rate at which requests leave the queue.
-    # Hint 2: if draining: return Refusal(503, 1, "..."); if waiting + 1 <= max_waiting: return None; over = waiting - max_waiting + 1; seconds = math.ceil(over / finish_rate) if finish_rate > 0 else 1; return Refusal(503, min(max(seconds, 1), MAX_RETRY_AFTER_S), "... max_waiting ...").
+    # Hint 2: Check draining first (a refusal with Retry-After 1). Then accept when one more waiting request stays within max_waiting. Otherwise the requests over the limit are waiting − max_waiting + 1; divide by finish_rate and round up (1 when the rate is 0), clip to 1…60 with min and max, and put the limit's name and value in the message.
     if draining:
         return Refusal(503, 1, "the server is shutting down and accepts no new requests. Fix: retry on another "
                                "server, or here once it has restarted")
@@ -461,6 +461,7 @@ class AsyncEngine:
         self._last_text: dict[str, float] = {}  # when each stream last got text: inter-token latency
         self._counted: dict[str, int] = {}  # output tokens already counted in the metrics, per request
         self._finish_times: deque[float] = deque()
+        self._started = time.monotonic()
         self._thread = threading.Thread(target=self._run, name=f"aie-{name}", daemon=True)
         self.metrics.kv_total.set(engine.runner.allocator.num_blocks)
 
@@ -482,10 +483,11 @@ class AsyncEngine:
         return len(self._queues)
 
     def finish_rate(self) -> float:
-        """Requests ended per second over the last ``FINISH_RATE_WINDOW_S`` (0 if none)."""
+        """Requests ended per second over the last ``FINISH_RATE_WINDOW_S`` (or since the start, if
+        that is shorter); 0 if none has ended yet."""
         now, times = time.monotonic(), list(self._finish_times)
         recent = [t for t in times if now - t <= FINISH_RATE_WINDOW_S]
-        return len(recent) / FINISH_RATE_WINDOW_S
+        return len(recent) / max(min(FINISH_RATE_WINDOW_S, now - self._started), 1.0)
 
     def submit(self, prompt: str | Sequence[int], params: SamplingParams, request_id: str) -> TokenQueue:
         """Accept a request: its events will arrive in the returned queue. Raises ``PromptError`` or
@@ -1054,7 +1056,7 @@ async def drain(engine: Drainable, deadline_s: float, poll_s: float = 0.05) -> D
     """Stop admitting, wait up to ``deadline_s`` for every accepted request, abort the rest."""
     # BEGIN EXERCISE 10.3: stop admitting; poll in_flight() every poll_s seconds (await asyncio.sleep) until it is 0 or deadline_s have passed; then abort_all() what is left; return DrainReport(in_flight at the start, aborted, seconds)
     # Hint 1: Order matters: refuse new requests first, or the queue refills while you wait. "In flight" means waiting or running: a request still in the queue was accepted too, and its client is waiting for it. Waiting must give the loop back, or the streams you wait for are never sent.
-    # Hint 2: start = time.monotonic(); engine.stop_admitting(); at_start = engine.in_flight(); while engine.in_flight() and time.monotonic() - start < deadline_s: await asyncio.sleep(poll_s); aborted = engine.abort_all() if engine.in_flight() else []; return DrainReport(at_start, len(aborted), time.monotonic() - start).
+    # Hint 2: Note the start time with time.monotonic() and stop admitting at once; count the requests in flight. Loop while some are in flight and the deadline has not passed, awaiting asyncio.sleep(poll_s) each time round. After the loop, abort_all() only if some are still in flight, and build the report from the count at the start, the number of ids aborted and the elapsed time.
     start = time.monotonic()
     engine.stop_admitting()
     at_start = engine.in_flight()
@@ -1520,3 +1522,250 @@ def serve(config: ServeConfig) -> int:
                                            access_log=False, timeout_graceful_shutdown=5), state)
     server.run()
     return 0 if state.status != "failed" else 1
+
+
+# %% [markdown]
+# ## 7. The server, for real
+#
+# Everything above is in `aie_lessons.server` now (after `aie commit 10`, your versions of
+# 10.1–10.3), and `aie serve` runs it. The cells below start it as a separate process — as you
+# would from a terminal with `aie serve` — on a free port of `127.0.0.1`, and talk to it with
+# real clients. `ServerProcess` is a small helper for that: it starts the process, waits for
+# `/health` to say 200, and reads the JSON log.
+
+# %%
+# export: server.process
+"""``aie serve`` as a child process on a free loopback port: the notebook's and the tests' server."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+LISTENING = re.compile(r"listening on (http://127\.0\.0\.1:\d+)")
+
+
+class ServerProcess:
+    """Starts ``aie serve --port 0 ARGS`` and waits until ``/health`` says 200. Its stderr — the
+    JSON log — goes to ``log_file``, which ``logs()`` reads; ``stop()`` sends SIGTERM and waits."""
+
+    def __init__(self, args: list[str], log_file: Path, env: dict[str, str] | None = None,
+                 ready_s: float = 120.0):
+        self.log_file = Path(log_file)
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "aie_lessons.cli", "serve", "--port", "0", *args],
+            stdout=subprocess.DEVNULL, stderr=self.log_file.open("w"), env={**os.environ, **(env or {})})
+        deadline = time.monotonic() + ready_s
+        self.url = self._wait(deadline, self._url, "listen")
+        self._wait(deadline, lambda: httpx.get(self.url + "/health").status_code == 200 or None, "say 200 on /health")
+
+    def _url(self) -> str | None:
+        found = LISTENING.search(self.log_file.read_text())
+        return found.group(1) if found else None
+
+    def _wait(self, deadline: float, probe, what: str):
+        while time.monotonic() < deadline:
+            found = probe()
+            if found is not None:
+                return found
+            if self.process.poll() is not None:
+                raise RuntimeError(f"aie serve exited with {self.process.returncode}:\n{self.log_file.read_text()}")
+            time.sleep(0.1)
+        self.kill()
+        raise RuntimeError(f"aie serve did not {what} in time:\n{self.log_file.read_text()}")
+
+    def logs(self) -> list[dict]:
+        """The JSON log lines so far (the one line for people, 'listening on', is left out)."""
+        return [json.loads(line) for line in self.log_file.read_text().splitlines() if line.startswith("{")]
+
+    def metric(self, name: str, labels: str = "") -> float | None:
+        return metric_value(httpx.get(self.url + "/metrics").text, name, labels)
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 60.0) -> int:
+        if self.process.poll() is None:
+            self.process.send_signal(sig)
+        return self.process.wait(timeout)
+
+    def kill(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+
+
+def sse_payloads(response: httpx.Response) -> list[str]:
+    """The ``data:`` payloads of a streamed response, read as they arrive, up to ``[DONE]``."""
+    payloads = []
+    for line in response.iter_lines():
+        if line.startswith("data: "):
+            payloads.append(line[len("data: "):])
+            if payloads[-1] == "[DONE]":
+                break
+    return payloads
+
+
+def wait_until(condition, timeout: float = 10.0, what: str = "the condition") -> None:
+    """Poll ``condition()`` until it is true; AssertionError naming ``what`` after ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"{what} did not hold within {timeout} s")
+
+
+# %%
+import tempfile
+import threading
+from pathlib import Path
+
+import httpx
+import openai
+
+WORK = Path(tempfile.mkdtemp(prefix="aie-serve-"))
+server = ServerProcess(["--max-seqs", "4", "--max-waiting", "2"], WORK / "server.log")
+print("healthy:", httpx.get(server.url + "/health").json())
+print("models:", [m["id"] for m in httpx.get(server.url + "/v1/models").json()["data"]])
+
+# %% [markdown]
+# The official `openai` package, pointed at our server: `base_url` is all it needs (the key is
+# not checked unless the server has one). Greedy answers must be the offline engine's, word for
+# word — the same engine, reached through HTTP and a thread.
+
+# %%
+client = openai.OpenAI(base_url=server.url + "/v1", api_key="not-needed", max_retries=0)
+for prompt, reference in zip(PROMPTS, offline):
+    answer = client.completions.create(model=MODEL_DIR.name, prompt=prompt, max_tokens=24, temperature=0)
+    print(f"{answer.usage.completion_tokens:2} tokens  same as offline: {answer.choices[0].text == reference.text}"
+          f"  {answer.choices[0].text!r:.50}")
+    assert answer.choices[0].text == reference.text
+
+stream = client.chat.completions.create(model=MODEL_DIR.name, messages=[{"role": "user", "content": "Name a fruit."}],
+                                        max_tokens=20, temperature=0, stream=True)
+pieces = [chunk.choices[0].delta.content or "" for chunk in stream]
+print(f"chat, streamed in {len(pieces)} chunks: {''.join(pieces)!r}")
+
+# %% [markdown]
+# Bad input, as a client sees it: the status, and a message that names the field and the fix.
+
+# %%
+for body in ({"prompt": "word " * 9000, "max_tokens": 4}, {"prompt": "hi", "temperature": -1},
+             {"prompt": "hi", "max_token": 5}, {"prompt": "hi", "n": 3}):
+    response = httpx.post(server.url + "/v1/completions", json=body)
+    print(response.status_code, response.json()["error"]["message"][:110])
+
+# %% [markdown]
+# **Overload.** Ten clients at once, on a server that runs 4 requests and lets 2 wait: the
+# first six are accepted, the other four get `503` at once, with a `Retry-After`. (How many
+# arrive before the first one finishes depends on this machine's speed, so the counts may
+# differ here and there.)
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+def one_stream(results: list, i: int) -> None:
+    with httpx.stream("POST", server.url + "/v1/completions", timeout=120,
+                      json={"prompt": f"Story {i}:", "max_tokens": 48, "ignore_eos": True, "stream": True}) as response:
+        if response.status_code == 200:
+            results[i] = ("accepted", json.loads(sse_payloads(response)[-2])["choices"][0]["finish_reason"])
+        else:
+            results[i] = (response.status_code, response.headers.get("retry-after"))
+
+
+results = [None] * 10
+threads = [threading.Thread(target=one_stream, args=(results, i)) for i in range(10)]
+for thread in threads:
+    thread.start()
+for thread in threads:
+    thread.join()
+for outcome in sorted(set(results), key=str):
+    print(f"{results.count(outcome)} × {outcome}")
+
+# %% [markdown]
+# The server's own account of it, from `/metrics` — what a Prometheus would scrape every few
+# seconds: requests by how they ended, refusals, KV blocks in use (0: every request has given
+# its blocks back), and the latency histograms drawn as their cumulative counts.
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+import matplotlib.pyplot as plt
+
+text = httpx.get(server.url + "/metrics").text
+for name, labels in (("aie_requests_finished_total", 'finish_reason="length"'),
+                     ("aie_requests_finished_total", 'finish_reason="eos"'),
+                     ("aie_requests_rejected_total", 'reason="queue_full"'), ("aie_kv_blocks_used", "")):
+    print(f"{name}{{{labels}}} = {metric_value(text, name, labels)}")
+
+fig, ax = plt.subplots(figsize=(7, 3.5))
+for name, label in (("aie_time_to_first_token_seconds", "time to first token"),
+                    ("aie_inter_token_latency_seconds", "inter-token latency"),
+                    ("aie_e2e_request_latency_seconds", "end-to-end latency")):
+    total = metric_value(text, name + "_count")
+    shares = [metric_value(text, name + "_bucket", f'le="{b}"') / total for b in LATENCY_BUCKETS_S]
+    ax.step(LATENCY_BUCKETS_S, shares, where="post", label=label)
+ax.set_xscale("log")
+ax.set_xlabel("seconds (bucket upper bound)")
+ax.set_ylabel("share of observations ≤ bound")
+ax.set_title("Latency distributions from /metrics")
+ax.legend()
+plt.show()
+
+# %% [markdown]
+# **A graceful stop.** Two streams are running when the server gets `SIGTERM` (what `kill`,
+# `docker stop` and Kubernetes send). It refuses new requests with 503 at once, finishes both
+# streams to their last token, and exits with status 0; the log's `drained` line says how many
+# requests it waited for and how many it had to abort.
+
+# %%
+streams = [dict() for _ in range(2)]
+
+
+def read_stream_into(result: dict) -> None:
+    with httpx.stream("POST", server.url + "/v1/completions", timeout=120,
+                      json={"prompt": "Once upon a time", "max_tokens": 40, "ignore_eos": True,
+                            "stream": True}) as response:
+        payloads = sse_payloads(response)
+    result["finish_reason"] = json.loads(payloads[-2])["choices"][0]["finish_reason"]
+    result["done"] = payloads[-1] == "[DONE]"
+
+
+threads = [threading.Thread(target=read_stream_into, args=(result,)) for result in streams]
+for thread in threads:
+    thread.start()
+wait_until(lambda: server.metric("aie_requests_running") == 2, what="two running requests")
+server.process.send_signal(signal.SIGTERM)
+wait_until(lambda: httpx.get(server.url + "/health").status_code == 503, what="/health saying 503")
+late = httpx.post(server.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+print("a request after SIGTERM:", late.status_code, late.json()["error"]["message"][:60])
+for thread in threads:
+    thread.join()
+print("the two streams:", streams)
+print("exit status:", server.process.wait(60))
+drained = next(line for line in server.logs() if line["message"] == "drained")
+print("drained: in flight", drained["in_flight"], "aborted", drained["aborted"])
+
+# %% [markdown]
+# **A hot swap** is one call to the admin API, which needs its own key (`admin_key`, or the
+# `AIE_ADMIN_KEY` variable): the new weights load beside the old, new requests go to them, and
+# the old engine finishes what it holds before it is freed. The tests swap the model under load
+# and check that no request is lost (`tests/test_server.py`); by hand:
+#
+# ```
+# AIE_ADMIN_KEY=secret aie serve &
+# curl -X POST http://127.0.0.1:8000/admin/swap -H 'Authorization: Bearer secret' \
+#      -H 'Content-Type: application/json' -d '{"model_dir": "data/models/smollm2-135m-instruct", "dtype": "bfloat16"}'
+# ```
+#
+# ## What you built
+#
+# A server that speaks OpenAI's API over the engine you wrote, streams with server-sent events
+# (10.1), frees a request's memory the moment its client leaves, refuses what it cannot serve in
+# time with a 503 that says when to come back (10.2), and stops without losing anything it
+# accepted (10.3). What remains is to measure it as a whole — throughput and latency under a
+# load of many users — which the load test in `benchmarks/serve_load.py` does.

@@ -15,7 +15,7 @@ import httpx
 import openai
 import pytest
 
-from server_process import ServerProcess, sse_payloads, wait_until
+from aie_lessons.server.process import ServerProcess, sse_payloads, wait_until
 
 API_KEY, ADMIN_KEY = "test-api-key", "test-admin-key"
 KEYS = {"AIE_API_KEY": API_KEY, "AIE_ADMIN_KEY": ADMIN_KEY}

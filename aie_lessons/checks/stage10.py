@@ -11,6 +11,7 @@ stalls every other client of a real server.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
 import math
 import time
@@ -134,6 +135,20 @@ def _expect_stream(exercise: str, payloads: list[str], expected: list[dict], wha
                        "(or final), in order, holding chunk(event)")
 
 
+async def _opened(exercise: str, sse_stream, *args):
+    """``sse_stream(*args)`` as an async generator. A stub has no ``yield``, so calling it makes a
+    coroutine: awaiting it raises the stub's NotImplementedError."""
+    stream = sse_stream(*args)
+    if inspect.iscoroutine(stream):
+        await stream
+        fail(exercise, "sse_stream must be an async generator: yield each frame (an async def with yield "
+                       "in it), do not return them")
+    if not inspect.isasyncgen(stream):
+        fail(exercise, f"sse_stream must be an async generator (async def with yield), it returned "
+                       f"{type(stream).__name__}")
+    return stream
+
+
 def check_sse_stream(sse_stream) -> None:
     """10.1: a stream of text events, an error end, a client that leaves (closed, then cancelled),
     a source that stays open after its final event, and the loop never held."""
@@ -145,8 +160,9 @@ def check_sse_stream(sse_stream) -> None:
     async def whole(source_events, then_wait=False):
         aborts = []
         async with Heartbeat() as heart:
-            items = [item async for item in sse_stream(_source(source_events, then_wait=then_wait), _chunk,
-                                                       lambda: aborts.append(1))]
+            stream = await _opened(ex, sse_stream, _source(source_events, then_wait=then_wait), _chunk,
+                                   lambda: aborts.append(1))
+            items = [item async for item in stream]
         return items, len(aborts), heart.longest
 
     try:
@@ -173,8 +189,8 @@ def check_sse_stream(sse_stream) -> None:
 
     async def leaves(how: str):
         aborts = []
-        stream = sse_stream(_source([_event(text="a"), _event(text="b")], then_wait=True), _chunk,
-                            lambda: aborts.append(1))
+        stream = await _opened(ex, sse_stream, _source([_event(text="a"), _event(text="b")], then_wait=True),
+                               _chunk, lambda: aborts.append(1))
         got = [await stream.__anext__(), await stream.__anext__()]
         if how == "close":  # the server closes the body's generator
             await stream.aclose()

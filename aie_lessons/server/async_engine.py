@@ -60,6 +60,7 @@ class AsyncEngine:
         self._last_text: dict[str, float] = {}  # when each stream last got text: inter-token latency
         self._counted: dict[str, int] = {}  # output tokens already counted in the metrics, per request
         self._finish_times: deque[float] = deque()
+        self._started = time.monotonic()
         self._thread = threading.Thread(target=self._run, name=f"aie-{name}", daemon=True)
         self.metrics.kv_total.set(engine.runner.allocator.num_blocks)
 
@@ -70,19 +71,22 @@ class AsyncEngine:
         self._thread.start()
 
     def waiting(self) -> int:
-        """Requests accepted but not running: still in the inbox, or in the scheduler's queue."""
-        adds = sum(1 for item in list(self._inbox) if item[0] == "add")
-        return adds + len(self.engine.scheduler.waiting)
+        """Requests accepted that must wait for others: those beyond ``max_seqs``, or more if the
+        scheduler holds more back (KV memory is short). A request that has just been accepted into
+        a free place counts as running, though the engine thread may not have taken it yet: so
+        the admission rule sees the same queue however quick the thread happens to be."""
+        return max(self.in_flight() - self.engine.config.max_seqs, len(self.engine.scheduler.waiting))
 
     def in_flight(self) -> int:
         """Requests accepted and not yet ended (waiting or running): what a drain waits for."""
         return len(self._queues)
 
     def finish_rate(self) -> float:
-        """Requests ended per second over the last ``FINISH_RATE_WINDOW_S`` (0 if none)."""
+        """Requests ended per second over the last ``FINISH_RATE_WINDOW_S`` (or since the start, if
+        that is shorter); 0 if none has ended yet."""
         now, times = time.monotonic(), list(self._finish_times)
         recent = [t for t in times if now - t <= FINISH_RATE_WINDOW_S]
-        return len(recent) / FINISH_RATE_WINDOW_S
+        return len(recent) / max(min(FINISH_RATE_WINDOW_S, now - self._started), 1.0)
 
     def submit(self, prompt: str | Sequence[int], params: SamplingParams, request_id: str) -> TokenQueue:
         """Accept a request: its events will arrive in the returned queue. Raises ``PromptError`` or
