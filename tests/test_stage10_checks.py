@@ -25,8 +25,13 @@ def test_the_references_pass_their_checks():
 
 
 def _stream(frame=sse_frame, done=b"data: [DONE]\n\n", skip_empty=True, abort_on="finally", stop=True,
-            error_frame=True, final_frame=True, block=0.0):
+            error_frame=True, final_frame=True, block=0.0, skip_textless=False, swallow=False, returns=False):
     """The reference with one thing changed."""
+    if returns:
+        async def collected(events, chunk, abort):
+            return [frame(chunk(event)) async for event in events]
+        return collected
+
     async def stream(events, chunk, abort):
         finished = False
         try:
@@ -34,6 +39,8 @@ def _stream(frame=sse_frame, done=b"data: [DONE]\n\n", skip_empty=True, abort_on
                 if block:
                     time.sleep(block)
                 if skip_empty and not event.text and not event.final:
+                    continue
+                if skip_textless and not event.text:
                     continue
                 if event.finish_reason == "error" and error_frame:
                     yield frame({"error": {"message": event.error, "type": "server_error"}})
@@ -48,7 +55,8 @@ def _stream(frame=sse_frame, done=b"data: [DONE]\n\n", skip_empty=True, abort_on
         except asyncio.CancelledError:
             if abort_on == "cancel":
                 abort()
-            raise
+            if not swallow:
+                raise
         finally:
             if abort_on == "finally" and not finished:
                 abort()
@@ -66,12 +74,16 @@ def _stream(frame=sse_frame, done=b"data: [DONE]\n\n", skip_empty=True, abort_on
     (_stream(done=b'data: "[DONE]"\n\n'), "literal text, not JSON"),
     (_stream(skip_empty=False), "no text that is not final was sent"),
     (_stream(final_frame=False), "final event's frame is missing"),
-    (_stream(error_frame=False), "expected the frames' data"),
+    (_stream(error_frame=False), "should be the error frame"),
     (_stream(abort_on="never"), "abort\\(\\) was not called"),
     (_stream(abort_on="cancel"), "server closed the stream\\) and abort\\(\\) was not called"),
     (_stream(abort_on="always"), "although the stream reached its final event"),
     (_stream(stop=False), "did not end after its final event"),
     (_stream(block=0.4), "event loop was held"),
+    (_stream(skip_textless=True), "the final event has no text but gets its frame"),
+    (_stream(swallow=True, abort_on="cancel"), "server closed the stream\\) and abort\\(\\) was not called"),
+    (_stream(returns=True), "must be an async generator"),
+    (_stream(frame=lambda d: f"data: {json.dumps(d)}\r\n\r\n".encode(), abort_on="never"), "abort\\(\\) was not called"),
 ])
 def test_sse_stream_mistakes_are_named(wrong, message):
     with names_the_mistake("10.1", message):
@@ -117,7 +129,7 @@ def test_admission_mistakes_are_named(wrong, message):
 
 
 def _drain(stop_first=True, stop=True, sleep="async", deadline=True, abort=True, wait=True, count_at="start",
-           milliseconds=False):
+           milliseconds=False, deadline_wait=False):
     clock = time.monotonic
 
     async def wrong(engine, deadline_s, poll_s=0.05):
@@ -125,11 +137,13 @@ def _drain(stop_first=True, stop=True, sleep="async", deadline=True, abort=True,
         if stop and stop_first:
             engine.stop_admitting()
         at_start = engine.in_flight()
+        if deadline_wait:
+            await asyncio.sleep(deadline_s)
         while wait and engine.in_flight() and (not deadline or clock() - start < deadline_s):
             if sleep == "async":
                 await asyncio.sleep(poll_s)
             elif sleep == "blocking":
-                time.sleep(poll_s * 20)
+                time.sleep(poll_s)
             else:
                 await asyncio.sleep(0)
         if stop and not stop_first:
@@ -148,6 +162,7 @@ def _drain(stop_first=True, stop=True, sleep="async", deadline=True, abort=True,
     (_drain(deadline=False), "did not return within"),
     (_drain(abort=False), "abort_all\\(\\) was not called"),
     (_drain(wait=False), "aborted although they would have finished"),
+    (_drain(deadline_wait=True), "stop waiting as soon as in_flight\\(\\) is 0"),
     (_drain(count_at="end"), "DrainReport.in_flight should be the requests in flight when the drain began"),
     (_drain(milliseconds=True), "DrainReport.seconds"),
 ])

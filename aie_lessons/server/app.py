@@ -12,7 +12,9 @@ import re
 import sys
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Literal
 
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
@@ -59,21 +61,30 @@ def json_logging(stream=None) -> None:
 
 @dataclass
 class ServerState:
-    """What the routes share: the settings, the metrics, the engine slot (None while loading)."""
+    """What the routes share: the settings, the metrics, the engine slot (None while loading), and
+    ``on_failure``, which the process sets to stop itself when the model cannot be loaded."""
 
     config: ServeConfig
     metrics: ServerMetrics = field(default_factory=ServerMetrics)
     slot: EngineSlot | None = None
     status: str = "loading"  # loading | ready | draining | failed
     failure: str | None = None
+    on_failure: Callable[[], None] | None = None
+
+    def health(self) -> str:
+        """The status, "failed" too once the current engine's thread has died."""
+        if self.slot is not None and self.slot.current.engine.error is not None and self.status != "failed":
+            self.status, self.failure = "failed", f"the engine failed: {self.slot.current.engine.error}"
+        return self.status
 
     def ready_model(self) -> LoadedModel:
-        """The model for a new request, or a 503 that says why there is none."""
-        if self.status == "ready" and self.slot is not None:
+        """The model for a new request, or a 503 that says why there is none. While draining the
+        model is still returned: its engine's admission rule (10.2) refuses the request."""
+        status = self.health()
+        if status in ("ready", "draining") and self.slot is not None:
             return self.slot.current
-        why = {"loading": "the model is still loading", "draining": "the server is shutting down",
-               "failed": f"the server failed to start: {self.failure}"}[self.status]
-        self.metrics.rejected.labels(self.status).inc()
+        why = {"loading": "the model is still loading", "failed": f"the server failed: {self.failure}"}[status]
+        self.metrics.rejected.labels(status).inc()
         raise APIError(503, f"{why}. Fix: retry shortly, or on another server", type="server_unavailable",
                        headers={"Retry-After": "1"})
 
@@ -87,10 +98,29 @@ class BodyTooLarge(HTTPException):
                               "prompt, or raise max_body_bytes in the server's config")
 
 
+def key_refusal(headers: dict[bytes, bytes], path: str, config: ServeConfig) -> APIError | None:
+    """401 when a route's key is missing or wrong (compared in constant time); the admin routes
+    take only the admin key, and are off (403) without one. /health and /metrics are open."""
+    if path.startswith("/admin/"):
+        if config.admin_key is None:
+            return APIError(403, "the admin API is off. Fix: set admin_key (or AIE_ADMIN_KEY) and restart",
+                            type="permission_error")
+        key, what = config.admin_key, "admin"
+    elif path.startswith("/v1/") and config.api_key is not None:
+        key, what = config.api_key, "API"
+    else:
+        return None
+    scheme, _, token = headers.get(b"authorization", b"").decode("latin-1").partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
+        return APIError(401, f"missing or wrong {what} key. Fix: send the header 'Authorization: Bearer <key>'",
+                        type="authentication_error")
+    return None
+
+
 class RequestGuard:
-    """ASGI middleware in front of every route: the request id (taken from ``X-Request-Id`` or
-    made), the body size limit (413 from the ``Content-Length``, or as the body arrives), and
-    one JSON log line per request."""
+    """ASGI middleware in front of every route, before any body is read: the request id (the
+    client's ``X-Request-Id``, or a new one), the keys (401), the body size limit (413 from the
+    ``Content-Length``, or as the body arrives), and one JSON log line per request."""
 
     def __init__(self, app, state: ServerState):
         self.app, self.state = app, state
@@ -122,9 +152,11 @@ class RequestGuard:
 
         try:
             declared = headers.get(b"content-length", b"0").decode("latin-1")
-            if declared.isdigit() and int(declared) > limit:
-                too_large = BodyTooLarge(limit)
-                await JSONResponse(APIError(413, too_large.detail).body(), 413)(scope, receive, send_with_id)
+            refusal = key_refusal(headers, scope["path"], self.state.config)
+            if refusal is None and declared.isdigit() and int(declared) > limit:
+                refusal = APIError(413, BodyTooLarge(limit).detail)
+            if refusal is not None:
+                await JSONResponse(refusal.body(), refusal.status)(scope, receive, send_with_id)
             else:
                 await self.app(scope, counted_receive, send_with_id)
         finally:
@@ -133,63 +165,55 @@ class RequestGuard:
                 "ms": round(1000 * (time.perf_counter() - start), 1)}})
 
 
-def check_key(request: Request, key: str | None, what: str) -> None:
-    """401 unless the request carries ``Authorization: Bearer <key>`` (compared in constant time)."""
-    if key is None:
-        return
-    given = request.headers.get("authorization", "")
-    scheme, _, token = given.partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
-        raise APIError(401, f"missing or wrong {what} key. Fix: send the header 'Authorization: Bearer <key>'",
-                       type="authentication_error")
-
-
 async def until_disconnected(request: Request) -> None:
     """Returns when the client has closed the connection."""
     while (await request.receive())["type"] != "http.disconnect":
         pass
 
 
-async def collect_answer(queue: TokenQueue, request: Request, abort) -> tuple[str, Event]:
-    """A non-streaming answer: all the text and the final event, or an abort if the client leaves."""
+async def collect_answer(queue: TokenQueue, request: Request, abort: Callable[[], None]) -> tuple[str, Event] | None:
+    """A non-streaming answer: all the text and the final event — or None, after ``abort()``, if
+    the client leaves first (or the handler itself is cancelled)."""
     async def read() -> tuple[str, Event]:
         pieces = []
         async for event in queue.events():
             pieces.append(event.text)
-            if event.final:
-                return "".join(pieces), event
-        raise RuntimeError("the event stream ended without a final event")
+        return "".join(pieces), event
 
     reader, watcher = asyncio.ensure_future(read()), asyncio.ensure_future(until_disconnected(request))
     try:
-        done, _ = await asyncio.wait({reader, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait({reader, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        reader.cancel()
+        abort()
+        raise
     finally:
         watcher.cancel()
-    if reader in done:
+    if reader.done():
         return reader.result()
     reader.cancel()
     abort()
-    raise asyncio.CancelledError("the client disconnected")
+    return None
 
 
 class SwapRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     model_dir: str
-    dtype: str | None = None
+    dtype: Literal["float32", "bfloat16"] | None = None
     model_name: str | None = None
 
 
 def create_app(state: ServerState) -> FastAPI:
     """The application over ``state``; its lifespan loads and warms the model up in the
-    background (``/health`` says 503 until then) and stops the engine thread at the end."""
+    background (``/health`` says 503 until then) and stops the engine threads at the end."""
 
     async def start() -> None:
         try:
             loaded = await asyncio.to_thread(load_model, state.config, state.metrics)
             loaded.engine.start()
+            state.slot = EngineSlot(loaded)
             if state.config.warm_up:
                 await warm_up(loaded.engine)
-            state.slot = EngineSlot(loaded)
             if state.status == "loading":  # a SIGTERM during the load has made it "draining"
                 state.status = "ready"
             log.info("ready", extra={"fields": {"model": loaded.name, "kv_blocks":
@@ -197,13 +221,16 @@ def create_app(state: ServerState) -> FastAPI:
         except Exception as exc:
             state.status, state.failure = "failed", f"{type(exc).__name__}: {exc}"
             log.exception("the model failed to load")
+            if state.on_failure is not None:
+                state.on_failure()
 
     async def lifespan(app: FastAPI):
         loading = asyncio.ensure_future(start())
         yield
         loading.cancel()
         if state.slot is not None:
-            await asyncio.to_thread(state.slot.current.engine.stop, 10.0)
+            for engine in list(state.slot.live):
+                await asyncio.to_thread(engine.stop, 10.0)
 
     app = FastAPI(title="aie", lifespan=lifespan, docs_url=None, redoc_url=None)
 
@@ -224,84 +251,87 @@ def create_app(state: ServerState) -> FastAPI:
         elif error["type"] == "json_invalid":
             message = f"the body is not valid JSON: {error['msg']}. Fix: send a JSON object"
         else:
-            message = f"field {where!r}: {error['msg']}" if where else f"the body: {error['msg']}"
+            message = (f"field {where!r}: {error['msg']}. Fix: change that field (OpenAI's API reference gives "
+                       "its type and range)" if where else f"the body: {error['msg']}. Fix: send a JSON object")
         return JSONResponse(APIError(400, message, param=where or None).body(), 400)
 
     @app.get("/health")
     async def health():
-        code = 200 if state.status == "ready" else 503
-        body = {"status": state.status} | ({"error": state.failure} if state.failure else {})
-        return JSONResponse(body, code)
+        status = state.health()
+        body = {"status": status} | ({"error": state.failure} if state.failure else {})
+        return JSONResponse(body, 200 if status == "ready" else 503)
 
     @app.get("/metrics")
     async def metrics():
         return Response(state.metrics.render(), media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/models")
-    async def models(request: Request):
-        check_key(request, state.config.api_key, "API")
+    async def models():
         loaded = state.ready_model()
         return {"object": "list", "data": [{"id": loaded.name, "object": "model", "created": 0, "owned_by": "aie"}]}
 
-    async def answer(request: Request, body: SamplingFields, prompt: str | list[int], max_tokens: int,
-                     fmt: CompletionFormat):
-        loaded = state.ready_model()
+    async def answer(request: Request, body: SamplingFields, loaded: LoadedModel, prompt: str | list[int],
+                     max_tokens: int, format_class: type[CompletionFormat]):
         if body.model not in (None, loaded.name):
             raise APIError(404, f"model {body.model!r} is not served here; this server serves {loaded.name!r}. "
                                 "Fix: send that name (GET /v1/models lists it)", param="model")
-        fmt.model = loaded.name
-        engine, request_id = loaded.engine, request.state.request_id
+        engine = loaded.engine
         try:
-            queue = engine.submit(prompt, body.sampling_params(max_tokens), request_id)
+            request_id, queue = await engine.submit(prompt, body.sampling_params(max_tokens))
         except Overloaded as exc:
             raise APIError(503, exc.refusal.message, type="server_overloaded",
                            headers={"Retry-After": str(exc.refusal.retry_after)})
         except (PromptError, SamplingParamsError) as exc:
             raise APIError(400, str(exc), param="prompt" if isinstance(exc, PromptError) else None)
-        except (EngineFailed, ValueError) as exc:
-            raise APIError(503 if isinstance(exc, EngineFailed) else 400, str(exc))
+        except EngineFailed as exc:
+            raise APIError(503, str(exc), type="server_unavailable", headers={"Retry-After": "1"})
+        fmt = format_class(request.state.request_id, loaded.name, body.include_usage)
         if body.stream:
             frames = sse_stream(queue.events(), fmt.chunk, lambda: engine.abort(request_id))
             return StreamingResponse(frames, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        text, final = await collect_answer(queue, request, lambda: engine.abort(request_id))
+        answered = await collect_answer(queue, request, lambda: engine.abort(request_id))
+        if answered is None:  # the client has gone: nobody reads this
+            return Response(status_code=499)
+        text, final = answered
         if final.finish_reason == "error":
             raise APIError(500, f"the engine failed: {final.error}", type="server_error")
         return fmt.response(text, final)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
-        check_key(request, state.config.api_key, "API")
         prompt = body.the_prompt()
-        fmt = CompletionFormat(request.state.request_id, "", body.include_usage)
-        return await answer(request, body, prompt, 16, fmt)  # 16: OpenAI's default max_tokens here
+        return await answer(request, body, state.ready_model(), prompt, 16, CompletionFormat)  # 16: OpenAI's
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest, request: Request):
-        check_key(request, state.config.api_key, "API")
         loaded = state.ready_model()
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
         try:
-            prompt = loaded.tokenizer.apply_chat_template(messages)
+            prompt = await asyncio.to_thread(loaded.tokenizer.apply_chat_template, messages)
         except ValueError as exc:  # a checkpoint without a chat template
             raise APIError(400, str(exc), param="messages")
-        fmt = ChatFormat(request.state.request_id, "", body.include_usage)
-        return await answer(request, body, prompt, state.config.default_max_tokens, fmt)
+        return await answer(request, body, loaded, prompt, state.config.default_max_tokens, ChatFormat)
 
     @app.post("/admin/swap")
-    async def swap(body: SwapRequest, request: Request):
-        if state.config.admin_key is None:
-            raise APIError(403, "the admin API is off. Fix: set admin_key (or AIE_ADMIN_KEY) and restart",
-                           type="permission_error")
-        check_key(request, state.config.admin_key, "admin")
+    async def swap(body: SwapRequest):
         state.ready_model()
-        if state.slot.swapping:
+        slot = state.slot
+        if slot.swapping:
             raise APIError(409, "a swap is already under way. Fix: wait for it to finish", type="conflict")
+        slot.swapping = True  # before loading: a second swap must not load a model too
         try:
-            new = await asyncio.to_thread(load_model, state.config, state.metrics, body.model_dir, body.dtype,
-                                          body.model_name)
-        except (OSError, ValueError) as exc:
-            raise APIError(400, f"cannot load {body.model_dir!r}: {exc}", param="model_dir")
-        report = await state.slot.swap(new, state.config.warm_up)
+            try:
+                new = await asyncio.to_thread(load_model, state.config, state.metrics, body.model_dir, body.dtype,
+                                              body.model_name)
+            except Exception as exc:  # a missing folder, a broken checkpoint: the old model keeps serving
+                raise APIError(400, f"cannot load {body.model_dir!r}: {type(exc).__name__}: {exc}. The current "
+                                    "model keeps serving. Fix: the folder of a checkpoint (aie fetch-model writes "
+                                    "one)", param="model_dir")
+            if state.status != "ready":  # a SIGTERM arrived during the load
+                raise APIError(503, "the server is shutting down; the swap was cancelled", type="server_unavailable")
+            report = await slot.swap(new, state.config.warm_up)
+        finally:
+            slot.swapping = False
         log.info("swapped", extra={"fields": {"old": report.old, "new": report.new,
                                               "drained": report.drained.in_flight}})
         return {"old": report.old, "new": report.new, "drained": report.drained.in_flight,

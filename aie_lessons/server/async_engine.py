@@ -8,6 +8,7 @@ import asyncio
 import logging
 import threading
 import time
+import uuid
 from collections import deque
 from collections.abc import Sequence
 
@@ -53,6 +54,10 @@ class AsyncEngine:
         self.admitting = True
         self.error: BaseException | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
+        # submit and the thread's last act (ending what is left) take turns under this lock, so
+        # that no request is accepted after the thread has stopped reading the inbox
+        self._lock = threading.Lock()
+        self._closed = False
         self._inbox: deque[tuple] = deque()
         self._wake = threading.Event()
         self._stopping = False
@@ -62,12 +67,12 @@ class AsyncEngine:
         self._finish_times: deque[float] = deque()
         self._started = time.monotonic()
         self._thread = threading.Thread(target=self._run, name=f"aie-{name}", daemon=True)
-        self.metrics.kv_total.set(engine.runner.allocator.num_blocks)
 
     # --- the event loop's side -------------------------------------------------------------
 
     def start(self) -> None:
         self.loop = asyncio.get_running_loop()
+        self.metrics.kv_total.set(self.engine.runner.allocator.num_blocks)
         self._thread.start()
 
     def waiting(self) -> int:
@@ -88,22 +93,29 @@ class AsyncEngine:
         recent = [t for t in times if now - t <= FINISH_RATE_WINDOW_S]
         return len(recent) / max(min(FINISH_RATE_WINDOW_S, now - self._started), 1.0)
 
-    def submit(self, prompt: str | Sequence[int], params: SamplingParams, request_id: str) -> TokenQueue:
-        """Accept a request: its events will arrive in the returned queue. Raises ``PromptError`` or
-        ``SamplingParamsError`` for bad input, ``Overloaded`` when refused, ``EngineFailed``."""
-        if self.error is not None:
-            raise EngineFailed(f"the engine failed earlier ({self.error}); restart the server")
-        prompt_ids = self.engine.check_request(prompt, params)
-        refusal = admission(self.waiting(), self.max_waiting, not self.admitting, self.finish_rate())
-        if refusal is not None:
-            self.metrics.rejected.labels("draining" if not self.admitting else "queue_full").inc()
-            raise Overloaded(refusal)
-        if request_id in self._queues:
-            raise ValueError(f"request id {request_id!r} is already in flight. Fix: a new X-Request-Id")
-        queue = TokenQueue(self.loop)
-        self._queues[request_id] = queue
-        self._send(("add", request_id, prompt_ids, params))
-        return queue
+    async def submit(self, prompt: str | Sequence[int], params: SamplingParams) -> tuple[str, TokenQueue]:
+        """Accept a request: its id in the engine, and the queue its events will arrive in. Raises
+        ``PromptError`` or ``SamplingParamsError`` for bad input, ``Overloaded`` when refused,
+        ``EngineFailed`` when the engine thread has stopped.
+
+        The prompt is tokenized and checked on a worker thread: a long one takes a while, and the
+        event loop has every other client to serve meanwhile. The id is the engine's own, never
+        the client's ``X-Request-Id``: a client may reuse its id on a retry while the first try is
+        still ending.
+        """
+        prompt_ids = await asyncio.to_thread(self.engine.check_request, prompt, params)
+        with self._lock:
+            if self._closed:
+                raise EngineFailed(f"the engine has stopped{f' after an error ({self.error})' if self.error else ''}. "
+                                   "Fix: retry on another server, or restart this one")
+            refusal = admission(self.waiting(), self.max_waiting, not self.admitting, self.finish_rate())
+            if refusal is not None:
+                self.metrics.rejected.labels("draining" if not self.admitting else "queue_full").inc()
+                raise Overloaded(refusal)
+            request_id, queue = uuid.uuid4().hex, TokenQueue(self.loop)
+            self._queues[request_id] = queue
+            self._send(("add", request_id, prompt_ids, params))
+        return request_id, queue
 
     def abort(self, request_id: str) -> None:
         """End a request (its client left): its KV is freed at the end of the current step."""
@@ -121,7 +133,8 @@ class AsyncEngine:
         self.admitting = False
 
     def stop(self, timeout: float | None = None) -> None:
-        """Let the thread finish the work it holds, then end it."""
+        """Admit nothing more, let the thread finish the work it holds, then end it."""
+        self.stop_admitting()
         self._stopping = True
         self._wake.set()
         if self._thread.is_alive():
@@ -145,11 +158,16 @@ class AsyncEngine:
                     return
                 else:
                     self._wake.wait()
-        except Exception as exc:  # the engine is broken: every request still held is told so
+        except Exception as exc:  # the engine is broken: the finally tells every request it held
             log.exception("the engine failed")
             self.error = exc
+        finally:
+            with self._lock:  # from here on submit refuses: nobody would read the inbox
+                self._closed = True
+            end = (Event(finish_reason="error", error=f"{type(self.error).__name__}: {self.error}") if self.error
+                   else Event(finish_reason="abort"))
             for request_id in list(self._queues):
-                self._end(request_id, Event(finish_reason="error", error=f"{type(exc).__name__}: {exc}"))
+                self._end(request_id, end)
 
     def _take_inbox(self) -> None:
         while self._inbox:
@@ -157,8 +175,13 @@ class AsyncEngine:
             if kind == "add":
                 prompt_ids, params = rest
                 queue = self._queues[request_id]
-                request = self.engine.add_request(prompt_ids, params, request_id=request_id,
-                                                  on_text=lambda text, r=request_id, q=queue: self._text(r, q, text))
+                try:
+                    request = self.engine.add_request(prompt_ids, params, request_id=request_id,
+                                                      on_text=lambda text, r=request_id, q=queue: self._text(r, q, text))
+                except Exception as exc:  # this request cannot run (its sampler refused it): it alone ends
+                    log.warning("request refused by the engine", extra={"fields": {"error": str(exc)}})
+                    self._end(request_id, Event(finish_reason="error", error=f"{type(exc).__name__}: {exc}"))
+                    continue
                 if request.status is RequestStatus.FINISHED:  # max_new_tokens=0: ended at once
                     self._finished(request)
             elif request_id in self.engine.requests and self.engine.abort(request_id):
@@ -192,6 +215,8 @@ class AsyncEngine:
         self.metrics.running.set(len(self.engine.scheduler.running))
         self.metrics.waiting.set(self.waiting())
         self.metrics.kv_used.set(self.engine.runner.allocator.used)
+        self.metrics.tracked.set(len(self.engine.requests) + len(self._queues) + len(self._last_text)
+                                 + len(self._counted))
 
     def _finished(self, request: Request) -> None:
         """A request the engine ended: its final event, its metrics, and the engine forgets it."""
@@ -213,5 +238,5 @@ class AsyncEngine:
         self._finish_times.append(time.monotonic())
         while len(self._finish_times) > 1000:
             self._finish_times.popleft()
-        if queue is not None:
+        if queue is not None and not self.loop.is_closed():  # a closed loop: the process is exiting
             queue.put(event)

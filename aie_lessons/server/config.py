@@ -43,7 +43,7 @@ class ServeConfig:
             "max_seqs": (self.max_seqs >= 1, "at least 1"),
             "token_budget": (self.token_budget >= 1, "at least 1"),
             "kv_memory_mb": (self.kv_memory_mb is None or self.kv_memory_mb > 0, "a positive number of MB"),
-            "max_waiting": (self.max_waiting >= 0, "0 or more"),
+            "max_waiting": (self.max_waiting >= 1, "at least 1 (a request waits an instant even for a free place)"),
             "max_body_bytes": (self.max_body_bytes >= 1024, "at least 1024"),
             "default_max_tokens": (self.default_max_tokens >= 1, "at least 1"),
             "drain_timeout_s": (self.drain_timeout_s >= 0, "0 or more seconds"),
@@ -51,6 +51,13 @@ class ServeConfig:
         for name, (ok, allowed) in checks.items():
             if not ok:
                 raise ServeConfigError(f"{name}={getattr(self, name)!r} is invalid: it must be {allowed}.")
+        if self.token_budget < self.max_seqs:
+            raise ServeConfigError(f"token_budget={self.token_budget} is below max_seqs={self.max_seqs}: a step must "
+                                   "have room for one token of every running request. Fix: raise token_budget")
+        for name in ("api_key", "admin_key"):
+            if getattr(self, name) is not None and not getattr(self, name).strip():
+                raise ServeConfigError(f"{name} is empty, which would let an empty key in. Fix: a real key, or "
+                                       "leave it out")
         if not is_loopback(self.host) and not self.api_key:
             raise ServeConfigError(f"host={self.host!r} can be reached from other machines, and api_key is not set: "
                               "anyone on the network could use the server. Fix: set api_key (or AIE_API_KEY), "

@@ -83,7 +83,7 @@ def load_model(config: ServeConfig, metrics: ServerMetrics, model_dir: str | Pat
 async def warm_up(engine: AsyncEngine) -> None:
     """One short request through the engine, so that the first user does not pay for the first
     step's one-off costs (allocations, kernel choices)."""
-    queue = engine.submit([0], SamplingParams(max_new_tokens=2, ignore_eos=True), "warm-up")
+    _, queue = await engine.submit([0], SamplingParams(max_new_tokens=2, ignore_eos=True))
     async for event in queue.events():
         if event.finish_reason == "error":
             raise EngineFailed(f"the warm-up request failed: {event.error}")
@@ -97,26 +97,34 @@ class SwapReport:
 
 
 class EngineSlot:
-    """The model that takes new requests. ``swap`` replaces it without dropping a request."""
+    """The model that takes new requests, and every engine still running: during a swap, the old
+    one finishes its requests beside the new — a shutdown must drain both. ``swapping`` is set by
+    whoever starts a swap, before loading anything, so that a second one is refused."""
 
     def __init__(self, current: LoadedModel):
         self.current = current
+        self.live: list[AsyncEngine] = [current.engine]
         self.swapping = False
 
     async def swap(self, new: LoadedModel, warm: bool = True) -> SwapReport:
         """Start and warm ``new`` up, send new requests to it, then drain the old engine to its end."""
-        self.swapping = True
+        new.engine.start()
+        self.live.append(new.engine)
         try:
-            new.engine.start()
-            try:
-                if warm:
-                    await warm_up(new.engine)
-            except BaseException:
-                await asyncio.to_thread(new.engine.stop)  # the old engine keeps serving
-                raise
-            old, self.current = self.current, new  # from here on, new requests go to the new engine
-            report = await drain(old.engine, deadline_s=math.inf)
-            await asyncio.to_thread(old.engine.stop)
-            return SwapReport(old.name, new.name, report)
-        finally:
-            self.swapping = False
+            if warm:
+                await warm_up(new.engine)
+        except BaseException:
+            self.live.remove(new.engine)
+            await asyncio.to_thread(new.engine.stop)  # the old engine keeps serving
+            raise
+        old, self.current = self.current, new  # from here on, new requests go to the new engine
+        report = await drain(old.engine, deadline_s=math.inf)
+        await asyncio.to_thread(old.engine.stop)
+        self.live.remove(old.engine)
+        return SwapReport(old.name, new.name, report)
+
+    async def drain_all(self, deadline_s: float) -> DrainReport:
+        """Drain every live engine at once (a shutdown): the totals of their reports."""
+        reports = await asyncio.gather(*(drain(engine, deadline_s) for engine in list(self.live)))
+        return DrainReport(sum(r.in_flight for r in reports), sum(r.aborted for r in reports),
+                           max((r.seconds for r in reports), default=0.0))

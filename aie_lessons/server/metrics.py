@@ -21,6 +21,8 @@ class ServerMetrics:
         self.waiting = Gauge("aie_requests_waiting", "Requests accepted but not yet running", registry=r)
         self.kv_used = Gauge("aie_kv_blocks_used", "KV blocks in use", registry=r)
         self.kv_total = Gauge("aie_kv_blocks_total", "KV blocks in the pool", registry=r)
+        self.tracked = Gauge("aie_requests_tracked", "Requests the engine and the server still keep a record of: "
+                             "0 when idle, or something leaks", registry=r)
         self.batch = Histogram("aie_batch_size", "Sequences in each engine step", buckets=BATCH_SIZE_BUCKETS, registry=r)
         self.ttft = Histogram("aie_time_to_first_token_seconds", "Arrival to first token", buckets=LATENCY_BUCKETS_S,
                               registry=r)

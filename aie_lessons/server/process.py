@@ -27,9 +27,10 @@ class ServerProcess:
     def __init__(self, args: list[str], log_file: Path, env: dict[str, str] | None = None,
                  ready_s: float = 120.0):
         self.log_file = Path(log_file)
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "aie_lessons.cli", "serve", "--port", "0", *args],
-            stdout=subprocess.DEVNULL, stderr=self.log_file.open("w"), env={**os.environ, **(env or {})})
+        with self.log_file.open("w") as stderr:  # the child has its own copy of the file
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "aie_lessons.cli", "serve", "--port", "0", *args],
+                stdout=subprocess.DEVNULL, stderr=stderr, env={**os.environ, **(env or {})})
         deadline = time.monotonic() + ready_s
         self.url = self._wait(deadline, self._url, "listen")
         self._wait(deadline, lambda: httpx.get(self.url + "/health").status_code == 200 or None, "say 200 on /health")

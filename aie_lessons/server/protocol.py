@@ -49,9 +49,9 @@ class SamplingFields(BaseModel):
     temperature: float = Field(1.0, ge=0, le=2)
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(0, ge=0)
-    repetition_penalty: float = Field(1.0, gt=0)
+    repetition_penalty: float = Field(1.0, ge=0.01, le=100)  # 1e-45 would turn the logits into inf
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=0, le=2**63 - 1)  # what a torch.Generator takes
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
@@ -74,6 +74,11 @@ class SamplingFields(BaseModel):
         for name, (given, why) in unsupported.items():
             if given:
                 raise APIError(400, f"{name}={getattr(self, name)!r}: {why}", param=name)
+        if isinstance(self.stop, list) and len(self.stop) > 4:
+            raise APIError(400, f"stop has {len(self.stop)} strings; at most 4 (as OpenAI). Fix: fewer", param="stop")
+        if self.stream_options is not None and not self.stream:
+            raise APIError(400, "stream_options is only for streamed requests. Fix: set stream, or leave it out",
+                           param="stream_options")
 
     def sampling_params(self, max_tokens: int) -> SamplingParams:
         """The engine's parameters; ``max_tokens`` is the route's default when the field is absent."""

@@ -13,7 +13,6 @@ from typing import TYPE_CHECKING
 
 from aie_lessons.server.app import ServerState, create_app, json_logging
 from aie_lessons.server.async_engine import log
-from aie_lessons.server.lifecycle import drain
 
 if TYPE_CHECKING:
     from aie_lessons.server.config import ServeConfig
@@ -41,18 +40,20 @@ class DrainingServer(uvicorn.Server):
             log.info("listening", extra={"fields": {"host": host, "port": self.port}})
 
     def handle_exit(self, sig, frame) -> None:
-        if self._draining or self._loop is None:
+        if self._loop is None:  # before start-up: uvicorn's own way
             super().handle_exit(sig, frame)
-            return
-        self._draining = True
-        self._loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._drain()))
+        elif self._draining:  # a second signal: exit now, without waiting for anything
+            self.should_exit = self.force_exit = True
+        else:
+            self._draining = True
+            self._loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._drain()))
 
     async def _drain(self) -> None:
         state = self.state
         state.status = "draining"
         log.info("draining", extra={"fields": {"deadline_s": state.config.drain_timeout_s}})
-        if state.slot is not None:
-            report = await drain(state.slot.current.engine, state.config.drain_timeout_s)
+        if state.slot is not None:  # every live engine: the old one of a swap under way too
+            report = await state.slot.drain_all(state.config.drain_timeout_s)
             log.info("drained", extra={"fields": {"in_flight": report.in_flight, "aborted": report.aborted,
                                                   "seconds": round(report.seconds, 3)}})
         self.should_exit = True
@@ -64,5 +65,6 @@ def serve(config: ServeConfig) -> int:
     state = ServerState(config)
     server = DrainingServer(uvicorn.Config(create_app(state), host=config.host, port=config.port, log_config=None,
                                            access_log=False, timeout_graceful_shutdown=5), state)
+    state.on_failure = lambda: setattr(server, "should_exit", True)  # a model that cannot load: exit, status 1
     server.run()
     return 0 if state.status != "failed" else 1

@@ -14,7 +14,7 @@ if TYPE_CHECKING:
 
 
 def sse_frame(data: dict) -> bytes:
-    """One server-sent event holding ``data`` as JSON (the frame exercise 10.1 writes)."""
+    """One server-sent event holding ``data`` as JSON, on one line, ended by a blank line."""
     return f"data: {json.dumps(data)}\n\n".encode()
 
 
@@ -27,12 +27,12 @@ async def sse_stream(events: AsyncIterator[Event], chunk: Callable[[Event], dict
         async for event in events:
             if not event.text and not event.final:
                 continue
+            finished = event.final
             if event.finish_reason == "error":
                 yield sse_frame({"error": {"message": event.error, "type": "server_error"}})
             else:
                 yield sse_frame(chunk(event))
-            if event.final:
-                finished = True
+            if finished:
                 yield b"data: [DONE]\n\n"
                 return
     finally:
