@@ -9,7 +9,7 @@ MODEL  := data/models/smollm2-135m-instruct/aie-source.json
 STAMP  := $(VENV)/.installed
 NBVAL  := --nbval --nbval-current-env --nbval-sanitize-with solutions/sanitize.cfg -p aie_lessons.course.nbval_plugin
 
-.PHONY: lab test test-fast notebooks bench bench-gpu bench-throughput model venv clean
+.PHONY: lab test test-fast notebooks bench bench-gpu bench-throughput bench-serve model venv clean
 
 venv: $(STAMP)
 $(STAMP): pyproject.toml
@@ -71,6 +71,11 @@ bench-gpu: venv model
 ## bench-throughput: continuous vs static batching vs transformers, paged KV vs slots, prefix caching (ratios, one run)
 bench-throughput: venv model
 	$(PY) benchmarks/throughput.py
+
+## bench-serve: aie serve under load over loopback (a sweep of request rates, the saturated server vs the
+## offline engine, a soak of 1,000 requests with disconnects); about 8 minutes
+bench-serve: venv model
+	$(PY) benchmarks/serve_load.py
 
 clean:
 	rm -rf $(VENV) data/cache .pytest_cache

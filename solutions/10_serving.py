@@ -1520,6 +1520,7 @@ def create_app(state: ServerState) -> FastAPI:
         if slot.swapping:
             raise APIError(409, "a swap is already under way. Fix: wait for it to finish", type="conflict")
         slot.swapping = True  # before loading: a second swap must not load a model too
+        log.info("swapping", extra={"fields": {"model_dir": body.model_dir, "dtype": body.dtype}})
         try:
             try:
                 new = await asyncio.to_thread(load_model, state.config, state.metrics, body.model_dir, body.dtype,
@@ -2002,7 +2003,8 @@ def knee(results: list[LoadResult], objective: Objective = Objective()) -> LoadR
 
 # %% [markdown]
 # A short sweep on this machine: three offered loads, each a few seconds of seeded requests with
-# prompts of 16–64 tokens and answers of 8–24. (`benchmarks/serve_load.py` runs a longer sweep,
+# prompts of 16–64 tokens and answers of 8–24, against a second server set up for throughput
+# (16 requests at once, 64 waiting) rather than for the overload demonstration above. (`benchmarks/serve_load.py` runs a longer sweep,
 # compares the saturated server with the offline engine on the same workload, and runs the soak
 # test: 1,000 requests with random disconnects, then checks that no request was lost and no
 # memory leaked.)
@@ -2012,12 +2014,14 @@ from aie_lessons.engine.workload import mixed_workload
 
 OBJECTIVE = Objective(ttft_s=2.0, tpot_s=0.2)
 RATES = (1.0, 4.0, 16.0)
+load_server = ServerProcess(["--max-seqs", "16", "--max-waiting", "64"], WORK / "load-server.log")
 sweep = []
 for i, rate in enumerate(RATES):
     workload = mixed_workload(max(8, int(3 * rate)), seed=10 + i, prompt_lens=(16, 64), output_lens=(8, 24),
                               vocab_size=model.config.vocab_size)
-    sweep.append(await run_load(server.url, workload, rate, seed=i))
+    sweep.append(await run_load(load_server.url, workload, rate, seed=i))
 print("every request answered:", all(not r.lost() and r.summary()["failed"] == 0 for r in sweep))
+print("stopped cleanly:", load_server.stop() == 0)
 
 # %%
 # NBVAL_IGNORE_OUTPUT

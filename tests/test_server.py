@@ -282,9 +282,10 @@ def test_a_hot_swap_loses_no_request(real_server, real_model_dir):
     swapper = threading.Thread(target=lambda: swap.update(response=httpx.post(
         real_server.url + "/admin/swap", json=target, headers=ADMIN, timeout=300)))
     swapper.start()
-    wait_until(lambda: any(line["message"] == "request" and line["path"] == "/admin/swap" for line in
-                           real_server.logs()) or post(real_server, "/admin/swap", target, headers=ADMIN).status_code
-               == 409, timeout=30, what="a second swap refused while the first loads")
+    wait_until(lambda: any(line["message"] == "swapping" for line in real_server.logs()), timeout=30,
+               what="the swap under way")
+    second = post(real_server, "/admin/swap", target, headers=ADMIN)
+    assert second.status_code == 409 and "already under way" in second.json()["error"]["message"]
     during = []
     while swapper.is_alive() and len(during) < 20:  # requests keep coming while the swap goes on
         during.append(post(real_server, "/v1/completions", {"prompt": "Hello", "max_tokens": 4}))

@@ -319,6 +319,7 @@ def create_app(state: ServerState) -> FastAPI:
         if slot.swapping:
             raise APIError(409, "a swap is already under way. Fix: wait for it to finish", type="conflict")
         slot.swapping = True  # before loading: a second swap must not load a model too
+        log.info("swapping", extra={"fields": {"model_dir": body.model_dir, "dtype": body.dtype}})
         try:
             try:
                 new = await asyncio.to_thread(load_model, state.config, state.metrics, body.model_dir, body.dtype,
