@@ -580,7 +580,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="accepted requests waiting to run; one more gets 503 (default 64)")
     srv.add_argument("--kv-memory-mb", type=float, metavar="MB", help="the paged KV pool (default: stage 07's)")
     srv.add_argument("--drain-timeout", type=float, metavar="SECONDS",
-                     help="on SIGTERM, how long in-flight requests may take to finish (default 30)")
+                     help="on SIGTERM, how long in-flight requests may take to finish (default 20)")
     srv.set_defaults(run=_serve)
 
     env = commands.add_parser("env", help="report versions, hardware and Triton availability")
