@@ -5,7 +5,8 @@ offline engine on the same workload, and a soak test of 1,000 requests with rand
   8–32) at each rate of ``--rates``; for each: throughput, TTFT, TPOT, inter-token and end-to-end
   latency at p50/p99, goodput under the objective (TTFT ≤ 2 s, TPOT ≤ 200 ms), rejections, lost.
 * **Saturated vs offline.** The same ``--requests`` requests all at once, through the server and
-  through the same engine in this process (``run_workload``), alternated ``--rounds`` times: output
+  through the same engine in this process (``run_workload``), alternated ``--rounds`` times with a
+  new workload each round (the server's prefix cache would otherwise skip the prompts): output
   tokens per second of each, and their ratio (target ≥ 0.9: HTTP, JSON and the engine thread may
   cost at most a tenth).
 * **Soak.** ``--soak`` requests (1,000; prompts 4–64 tokens, answers 1–8: it is about leaks, not
@@ -87,9 +88,10 @@ def main() -> int:
 
         print(f"\nSaturated server vs the offline engine, {args.requests} requests at once, {args.rounds} rounds:")
         model, tokenizer = LlamaModel.from_pretrained(model_dir), Tokenizer.from_pretrained(model_dir)
-        workload = mixed_workload(args.requests, 7, (16, 256), (8, 32), vocab)
         served, offline = [], []
         for round_ in range(args.rounds):
+            # a new workload each round: the server's prefix cache keeps the last one's prompts
+            workload = mixed_workload(args.requests, 7 + round_, (16, 256), (8, 32), vocab)
             result = asyncio.run(run_load(server.url, workload, math.inf, seed=round_))
             served.append(result.summary(objective)["tok/s"])
             engine = paged_engine(model, tokenizer, max_seqs=args.max_seqs)
