@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -406,6 +407,10 @@ def _generate(args: argparse.Namespace) -> int:
 
 def _serve(args: argparse.Namespace) -> int:
     """Stage 10: the engine behind an OpenAI-compatible HTTP API, until SIGTERM or Ctrl-C drains it."""
+    # OpenMP threads that spin while they wait hold the cores that the event loop (and, in a load
+    # test, the clients) need between two steps; waiting passively costs the engine little. Set
+    # before torch is imported, which starts OpenMP; OMP_WAIT_POLICY=ACTIVE in the environment wins.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     try:
         import fastapi  # noqa: F401 - the serve extra's packages, checked before the model loads
         import uvicorn  # noqa: F401

@@ -25,20 +25,22 @@ from __future__ import annotations
 import argparse
 import asyncio
 import math
+import os
 import statistics
 import tempfile
 import time
 from pathlib import Path
 
-import psutil
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as `aie serve` does, so that both sides run alike
+import psutil  # noqa: E402
 
-from aie_lessons.engine.paged_engine import paged_engine
-from aie_lessons.engine.workload import mixed_workload, run_workload
-from aie_lessons.infra.paths import default_model_dir
-from aie_lessons.model import LlamaModel
-from aie_lessons.server.load_test import Objective, knee, run_load
-from aie_lessons.server.process import ServerProcess, wait_until
-from aie_lessons.tokenizer import Tokenizer
+from aie_lessons.engine.paged_engine import paged_engine  # noqa: E402
+from aie_lessons.engine.workload import mixed_workload, run_workload  # noqa: E402
+from aie_lessons.infra.paths import default_model_dir  # noqa: E402
+from aie_lessons.model import LlamaModel  # noqa: E402
+from aie_lessons.server.load_test import Objective, knee, run_load  # noqa: E402
+from aie_lessons.server.process import ServerProcess, wait_until  # noqa: E402
+from aie_lessons.tokenizer import Tokenizer  # noqa: E402
 
 COLUMNS = ("offered req/s", "req/s", "tok/s", "TTFT p50 s", "TTFT p99 s", "TPOT p50 ms", "TPOT p99 ms", "ITL p99 ms",
            "e2e p50 s", "e2e p99 s", "goodput req/s", "rejected", "lost")
