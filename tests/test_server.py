@@ -93,6 +93,20 @@ def test_the_openai_client_completions_and_chat(tiny_server):
     assert deltas[-1].choices[0].finish_reason == "length"
 
 
+def test_stop_strings_cut_the_answer_as_the_engine_does(tiny_server):
+    base = {"prompt": "the cat", "max_tokens": 16, "temperature": 0, "ignore_eos": True}
+    full = post(tiny_server, "/v1/completions", base).json()["choices"][0]["text"]
+    stop = full[len(full) // 2:len(full) // 2 + 2]  # a piece from the middle of the greedy answer
+    assert stop and stop in full
+    cut = post(tiny_server, "/v1/completions", base | {"stop": [stop]}).json()["choices"][0]
+    assert cut["finish_reason"] == "stop" and cut["text"] == full[:full.index(stop)]
+    with httpx.stream("POST", tiny_server.url + "/v1/completions", json=base | {"stop": stop, "stream": True},
+                      headers=AUTH, timeout=60) as response:
+        chunks = [json.loads(p) for p in sse_payloads(response)[:-1]]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == cut["text"]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+
+
 @pytest.mark.parametrize("body, param, message", [
     ({"prompt": "word " * 80, "max_tokens": 4}, "prompt", "the model's context is 64 tokens"),
     ({"prompt": "hi", "temperature": -1}, "temperature", "greater than or equal to 0"),
