@@ -944,7 +944,9 @@ class ServeConfig:
     max_waiting: int = 64  # accepted requests not yet running; one more gets 503
     max_body_bytes: int = 1_000_000  # a larger request body gets 413
     default_max_tokens: int = 256  # chat requests without max_tokens (completions: 16, as OpenAI)
-    drain_timeout_s: float = 20.0  # on SIGTERM: how long in-flight requests may take to finish (20 s + uvicorn's 5 s to close connections: within the 30 s most process managers, Kubernetes among them, wait before they kill)
+    # on SIGTERM, how long in-flight requests may take to finish: 20 s, plus uvicorn's 5 s to close
+    # connections, fits the 30 s that process managers (Kubernetes among them) wait before they kill
+    drain_timeout_s: float = 20.0
     api_key: str | None = None  # if set, /v1/* needs "Authorization: Bearer <api_key>"
     admin_key: str | None = None  # /admin/* needs it; without one the admin API is off
     warm_up: bool = True  # one short request through the engine before /health says ok
