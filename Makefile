@@ -50,8 +50,9 @@ notebooks: venv model
 	$(PY) -m aie_lessons.course.build
 
 ## bench: decode speed of our decoders vs transformers, llama.cpp (the same weights) and the memory
-## roofline, then the engine's compiled decode step vs the eager engine at 1, 4 and 16 requests
-## (ratios, one run each). The first run builds llama-cpp-python from source (a few minutes).
+## roofline, then the engine's compiled decode step vs the eager engine at 1, 4 and 16 requests, then
+## `aie generate` from the outside (start-up and decode rate, compiled ahead of time vs the cached
+## loop vs transformers); ratios, one run each. The first run builds llama-cpp-python from source.
 LLAMA_CPP := $(VENV)/.llama-cpp
 $(LLAMA_CPP): $(STAMP)
 	$(PY) -m pip install -e ".[bench]" && touch $@ \
@@ -60,6 +61,7 @@ $(LLAMA_CPP): $(STAMP)
 bench: venv model $(LLAMA_CPP)
 	$(PY) benchmarks/decode.py
 	$(PY) benchmarks/engine_decode.py
+	$(PY) benchmarks/cli_startup.py
 
 ## bench-gpu: on a machine with a CUDA GPU, stage 05's and stage 07's Triton kernels vs PyTorch's SDPA and
 ## the engine's decode step, eager vs compiled (each script says "skipped" without a GPU)

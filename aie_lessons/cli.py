@@ -143,19 +143,11 @@ def _compiled_loop_refusal(args: argparse.Namespace) -> tuple[str, str] | None:
     return None
 
 
-# The compiled decoder decodes about 1.4x faster than the cached loop (48 against 34 tokens/s,
-# fp32, the course machine), but a process first spends about 7 s tracing the step and loading
-# inductor's cached code (30 s the very first time, compiling): it overtakes the cached loop
-# only past about 800 tokens. So the default is compiled when at least this many tokens are
-# asked for (--max-new-tokens: an answer may stop sooner); --loop compiled asks for it at any
-# length.
-COMPILED_FROM_TOKENS = 1024
-
-
 def _loop(args: argparse.Namespace, count: int) -> str:
     """The generate loop to run: the engine for several prompts; for one, stage 09's compiled
-    decoder where it can run and its start-up can pay (the CPU, at least COMPILED_FROM_TOKENS
-    tokens asked for), else stage 04's cached loop."""
+    decoder wherever it can run (the CPU, float32 activations, a C++ compiler, a kernel for the
+    quantized weights) — compiled ahead of time, it starts as fast as the cached loop after a
+    machine's first run — else stage 04's cached loop."""
     import torch
 
     if count > 1 and args.loop not in (None, "engine"):
@@ -167,12 +159,12 @@ def _loop(args: argparse.Namespace, count: int) -> str:
         if refusal:
             raise UsageError(refusal[1])
     elif loop is None:
-        worth_it = torch.device(args.device).type == "cpu" and args.max_new_tokens >= COMPILED_FROM_TOKENS
-        refusal = _compiled_loop_refusal(args) if worth_it else None
+        on_cpu = torch.device(args.device).type == "cpu"
+        refusal = _compiled_loop_refusal(args) if on_cpu else None
         if refusal and refusal[0] == "compiler":  # the one fallback a user may not expect: say it
             print("aie generate: note: no C++ compiler, so the eager cached loop runs (install g++ for "
                   "the compiled decoder)", file=sys.stderr)
-        loop = "compiled" if worth_it and not refusal else "cached"
+        loop = "compiled" if on_cpu and not refusal else "cached"
     if args.quant_head and not args.quant:
         raise UsageError("--quant-head quantizes the output head with the scheme of --quant. Fix: add "
                          "--quant SCHEME")
@@ -310,40 +302,35 @@ def _run_engine(args: argparse.Namespace, model: LlamaModel, tokenizer: Tokenize
           f"{engine.config.token_budget} tokens per step, {memory})", file=sys.stderr)
 
 
-def _compiled_decoder(args: argparse.Namespace, model: LlamaModel, params: SamplingParams,
-                      folder: Path) -> FastDecoder | None:
-    """Stage 09's decoder for ``model`` (quantized or not), compiled before the request into
-    inductor's cache ``folder``, so that later runs load instead of compiling. None, with a
-    note, when it cannot be built and the compiled loop was only the default; refused when it
-    was asked for."""
-    import time
-
-    import torch
-
+def _compiled_decoder(args: argparse.Namespace, model: LlamaModel, params: SamplingParams) -> FastDecoder | None:
+    """Stage 09's decoder for ``model`` (quantized or not), its step compiled ahead of time into
+    ``data/cache/inductor/aot`` the first time, so that later runs load it in a moment. None,
+    with a note, when it cannot be built and the compiled loop was only the default; refused when it was
+    asked for."""
     from aie_lessons.fast_decode import FastDecoder, QuantizedFastDecoder
-    from aie_lessons.infra.compile_cache import compiled_marker
+    from aie_lessons.infra import ahead_of_time
     from aie_lessons.quantize import QuantizedLinear
 
-    schemes = sorted({m.scheme.name for m in model.modules() if isinstance(m, QuantizedLinear)})
-    key = f"{torch.__version__}|{model.config}|{model.embed_tokens.weight.dtype}|{schemes}|{params.plain_greedy}"
-    marker = compiled_marker(folder, key)
-    start = time.perf_counter()
+    def say_compiling() -> None:
+        print("aie generate: compiling the decoder for this model on this machine (once: about a minute), "
+              f"into {ahead_of_time.aot_folder()} ...", end="", file=sys.stderr, flush=True)
+
+    quantized = any(isinstance(m, QuantizedLinear) for m in model.modules())
     try:
-        decoder = (QuantizedFastDecoder if schemes else FastDecoder)(model)
-        print("aie generate: " + ("loading the compiled decoder" if marker.exists() else
-                                  "compiling the decoder for this model on this machine (once: about 30 s)")
-              + f"; cache {folder} ...", end="", file=sys.stderr, flush=True)
-        decoder.warm_up(params)
-    except (ValueError, torch._dynamo.exc.BackendCompilerFailed) as exc:
-        why = str(exc).strip().splitlines()[0]  # dynamo appends paragraphs of advice for PyTorch's developers
+        decoder = (QuantizedFastDecoder if quantized else FastDecoder)(model, compile=False)
+        done = ahead_of_time.compile_ahead(decoder, params.plain_greedy, on_compile=say_compiling)
+    except (ValueError, ahead_of_time.CompileFailed) as exc:
+        why = str(exc).strip().splitlines()[0]
         if args.loop == "compiled":
             raise UsageError(f"--loop compiled: {why}") from exc
         print(f"\naie generate: note: the compiled decoder cannot run here, so the cached loop runs: {why}",
               file=sys.stderr)
         return None
-    print(f" ready in {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
-    marker.parent.mkdir(parents=True, exist_ok=True)
-    marker.touch()
+    if done.compiled:
+        print(f" ready in {done.seconds:.1f} s", file=sys.stderr, flush=True)
+    else:
+        print(f"aie generate: loaded the compiled decoder from {done.folder} in {done.seconds:.1f} s",
+              file=sys.stderr, flush=True)
     return decoder
 
 
@@ -360,7 +347,7 @@ def _generate(args: argparse.Namespace) -> int:
                          f"--loop compiled. Fix: use --loop {loop}")
     from aie_lessons.infra.compile_cache import use_compile_cache
 
-    compile_folder = use_compile_cache()  # before anything imports inductor, which settles its folder
+    use_compile_cache()  # inductor's working files go to data/cache too; set before anything imports it
     check_device(args.device)
     prompts = _prompts(args)
     loop = _loop(args, len(prompts))
@@ -386,7 +373,7 @@ def _generate(args: argparse.Namespace) -> int:
         from aie_lessons.generate import check_prompt
 
         check_prompt(prompt_ids, params, model.config)  # a prompt that does not fit waits for no compiler
-        decoder = _compiled_decoder(args, model, params, compile_folder)
+        decoder = _compiled_decoder(args, model, params)
     if loop == "skeleton":  # stage 01: recomputes the whole sequence every step
         from aie_lessons.generate import generate
 
@@ -538,11 +525,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="print one JSON object per prompt (one per line, in prompt order) at the end")
     gen.add_argument("--loop", choices=["skeleton", "cached", "compiled", "engine"],
                      help="skeleton: stage 01, no KV cache (slow, for comparison); cached: stage 04's "
-                          "KV cache (the default for one prompt); compiled: stage 09's compiled decoder "
-                          f"(the default from --max-new-tokens {COMPILED_FROM_TOKENS}, where its start-up "
-                          "can pay: CPU, float32 activations, a C++ compiler; with --quant its tokens can "
-                          "differ from the cached loop's; the first run compiles, later "
-                          "ones load data/cache/inductor); engine: continuous batching (stages 06–07) "
+                          "KV cache; compiled: stage 09's compiled decoder, the default for one prompt "
+                          "where it can run (CPU, float32 activations, a C++ compiler; with --quant its "
+                          "tokens can differ from the cached loop's): a machine's first run compiles it "
+                          "into data/cache/inductor/aot, later ones load it); engine: continuous batching (stages 06–07) "
                           "(the default, and the only loop, for several prompts)")
     gen.add_argument("--max-seqs", type=int, default=DEFAULT_MAX_SEQS, metavar="N",
                      help=f"engine: requests running at once (default {DEFAULT_MAX_SEQS})")

@@ -19,10 +19,10 @@ from aie_lessons.infra.paths import CACHE_DIR, DEFAULT_MODEL_NAME, MODELS_DIR
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-# `aie generate` points inductor's cache at data/cache/inductor (stage 09's compiled decoder), which
-# a fresh clone has empty. The CLI's subprocesses here share the machine's default cache instead,
-# as every in-process compile does, so that CI does not compile each graph again; a test of the
-# cache folder itself sets its own.
+# `aie generate` points inductor's cache at data/cache/inductor (stage 09's compiled decoder, its
+# ahead-of-time packages in aot/), which a fresh clone has empty. The CLI's subprocesses here share
+# the machine's default cache instead, as every in-process compile does, so that CI does not compile
+# each graph again; a test of the cache folder itself sets its own.
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR",
                       os.path.join(tempfile.gettempdir(), "torchinductor_" + getpass.getuser()))  # inductor's default
 
