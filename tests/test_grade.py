@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 import subprocess
 import sys
 import xml.etree.ElementTree as ET
@@ -15,6 +14,7 @@ import pytest
 
 from aie_lessons.course.build import NOTEBOOKS_DIR, SOLUTIONS_DIR
 from aie_lessons.course.grade import GradeError, format_report, grade, write_junit
+from aie_lessons.course.progress import stages
 
 from side_by_side import two_at_a_time
 
@@ -31,15 +31,30 @@ def exercises(result) -> dict[str, bool]:
     return {e.id: e.passed for e in result.exercises}
 
 
-def test_make_test_grades_the_solution_notebooks():
-    """The solutions grading 100% is `make test`'s last step (`aie grade solutions`), which is also
-    the second run of every solution notebook: one run serves both, instead of a third."""
+def test_make_test_does_what_grading_the_solutions_would():
+    """`aie grade solutions` runs each grading notebook under nbval, then each stage's checks
+    sealed. For the solutions, the grading notebook *is* the solution notebook (below), which
+    `make test` runs under nbval, and `test_the_sealed_checks_pass_every_solution` runs the
+    sealed checks: so `make test` does not grade them again (a second run of every notebook)."""
     from aie_lessons.infra.paths import REPO_ROOT
 
     makefile = (REPO_ROOT / "Makefile").read_text()
     recipe = makefile.split("\ntest:", 1)[1].split("\n\n", 1)[0]
-    assert "$(AIE) grade solutions; graded=$$?" in recipe  # after pytest
-    assert recipe.rstrip().endswith("[ $$tests -eq 0 ] && [ $$graded -eq 0 ]")  # either failing fails make test
+    assert "-m pytest tests solutions/*.ipynb $(NBVAL)" in recipe
+    assert recipe.rstrip().endswith("exit $$tests")  # a failing test fails make test
+
+
+@pytest.mark.parametrize("name", [s.name for s in stages()])
+def test_the_solutions_grading_notebook_is_the_solution_notebook(name):
+    """Every cell's id, source and reference outputs, in order: grading the solutions would run
+    exactly what nbval runs on them."""
+    from aie_lessons.course.grade import grading_notebook
+
+    reference = solution(name)
+    graded = grading_notebook(reference, solution(name))
+    assert [(c.get("id"), c.source, c.get("outputs")) for c in graded.cells] == \
+           [(c.get("id"), c.source, c.get("outputs")) for c in reference.cells]
+    assert graded.metadata == reference.metadata
 
 
 # --- stage 02 submissions, each graded end to end (nbval, then the sealed checks) ------------------
@@ -278,7 +293,6 @@ def test_the_sealed_checks_pass_every_solution(monkeypatch):
     kernel's source, which the sealed run serves from text)."""
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     from aie_lessons.course.grade import grading_notebook, sealed_checks
-    from aie_lessons.course.progress import stages
 
     with_exercises = {s.name: s for s in stages() if s.exercises}
 
