@@ -7,7 +7,9 @@ PY     := $(VENV)/bin/python
 AIE    := $(VENV)/bin/aie
 MODEL  := data/models/smollm2-135m-instruct/aie-source.json
 STAMP  := $(VENV)/.installed
-NBVAL  := --nbval --nbval-current-env --nbval-sanitize-with solutions/sanitize.cfg -p aie_lessons.course.nbval_plugin
+# --nbval-cell-timeout: the grader's (DEFAULT_CELL_TIMEOUT_S), so a cell too slow for grading fails here
+NBVAL  := --nbval --nbval-current-env --nbval-sanitize-with solutions/sanitize.cfg -p aie_lessons.course.nbval_plugin \
+          --nbval-cell-timeout 300
 
 .PHONY: lab test test-fast notebooks bench bench-gpu bench-throughput bench-serve model venv clean
 
@@ -27,10 +29,11 @@ lab: venv model
 	$(AIE) lab
 
 ## test: every test — unit, oracle (vs transformers), derived files in sync, the browser test of
-## JupyterLab, nbval of the solution notebooks against their reference outputs. `aie grade solutions`
-## would add nothing but a second run of every notebook (the longest phase of all): its two parts,
-## nbval of each notebook and each stage's checks run sealed, are both here for every solution
-## (tests/test_grade.py), and the grader itself is tested end to end on stage 02's submissions.
+## JupyterLab, nbval of the solution notebooks against their reference outputs, with the grader's
+## cell timeout. `aie grade solutions` is not run: for the solutions, its two parts — nbval of each
+## notebook and each stage's checks run sealed — are both here (tests/test_grade.py), so it would
+## only run every notebook a second time (the longest phase of all); the grader itself is tested
+## end to end on submissions of stage 02.
 ## One process at a time: torch already uses both cores, and two processes of two threads each ran
 ## 2.4x slower here. The slowest tests and the time of each phase are printed at the end.
 test:

@@ -119,37 +119,33 @@ def _prompts(args: argparse.Namespace) -> list[str]:
 
 def _compiled_loop_refusal(args: argparse.Namespace) -> tuple[str, str] | None:
     """Why stage 09's compiled decoder cannot run this request, as (reason, message with the fix),
-    or None when it can. Reasons: activations, quant-device, quant, compiler."""
+    or None when it can. Reasons: activations, device, quant, compiler."""
     import torch
 
+    from aie_lessons.infra.compile_cache import cpp_compiler
     from aie_lessons.quantize import SCHEMES, INT4_KERNEL_GROUP_SIZES
 
     if args.activations != "float32":
         return "activations", "--loop compiled computes in float32: drop --activations bfloat16"
-    on_cpu = torch.device(args.device).type == "cpu"
-    if args.quant and not on_cpu:
-        return "quant-device", ("--loop compiled reads quantized weights through PyTorch's CPU kernels: drop "
-                                f"--device {args.device}, or --quant")
+    if torch.device(args.device).type != "cpu":
+        return "device", (f"--loop compiled is compiled for the CPU, not --device {args.device}. Fix: drop "
+                          "--device, or use --loop cached")
     scheme = SCHEMES[args.quant] if args.quant else None
     if scheme and scheme.bits == 4 and scheme.group_size not in INT4_KERNEL_GROUP_SIZES:
         return "quant", (f"--loop compiled reads quantized weights through PyTorch's int4 kernel, which takes no "
                          f"{args.quant}. Fix: --quant int4-g64 or int4-g32, or --loop cached")
-    if on_cpu:
-        from aie_lessons.infra.compile_cache import cpp_compiler
-
-        if cpp_compiler() is None:
-            return "compiler", ("--loop compiled needs a C++ compiler for torch.compile, and none was found. Fix: "
-                                "install one (g++ or clang++), or use --loop cached")
+    if cpp_compiler() is None:
+        return "compiler", ("--loop compiled needs a C++ compiler to build the decoder, and none was found. Fix: "
+                            "install one (g++ or clang++), or use --loop cached")
     return None
 
 
 def _loop(args: argparse.Namespace, count: int) -> str:
     """The generate loop to run: the engine for several prompts; for one, stage 09's compiled
     decoder wherever it can run (the CPU, float32 activations, a C++ compiler, a kernel for the
-    quantized weights) — compiled ahead of time, it starts as fast as the cached loop after a
-    machine's first run — else stage 04's cached loop."""
-    import torch
-
+    quantized weights) and there is a token to decode after the first — compiled ahead of
+    time, it starts about a second after the cached loop once a machine's first run has built
+    it — else stage 04's cached loop."""
     if count > 1 and args.loop not in (None, "engine"):
         raise UsageError(f"--loop {args.loop} runs one prompt; {count} prompts run through the engine. Fix: "
                          "drop --loop, or use --loop engine")
@@ -159,12 +155,12 @@ def _loop(args: argparse.Namespace, count: int) -> str:
         if refusal:
             raise UsageError(refusal[1])
     elif loop is None:
-        on_cpu = torch.device(args.device).type == "cpu"
-        refusal = _compiled_loop_refusal(args) if on_cpu else None
+        refusal = _compiled_loop_refusal(args)
         if refusal and refusal[0] == "compiler":  # the one fallback a user may not expect: say it
             print("aie generate: note: no C++ compiler, so the eager cached loop runs (install g++ for "
                   "the compiled decoder)", file=sys.stderr)
-        loop = "compiled" if on_cpu and not refusal else "cached"
+        # One new token comes from the prefill alone: no step to decode, none worth compiling.
+        loop = "compiled" if not refusal and args.max_new_tokens >= 2 else "cached"
     if args.quant_head and not args.quant:
         raise UsageError("--quant-head quantizes the output head with the scheme of --quant. Fix: add "
                          "--quant SCHEME")
@@ -181,9 +177,10 @@ def _loop(args: argparse.Namespace, count: int) -> str:
     return loop
 
 
-def _as_json(result: GenerationResult, seed: int | None, timings: dict[str, float]) -> str:
+def _as_json(result: GenerationResult, seed: int | None, timings: dict[str, float], loop: str) -> str:
+    """One answer as --json prints it; ``loop`` is the loop that ran (after any fallback)."""
     return json.dumps({"prompt_ids": result.prompt_ids, "token_ids": result.token_ids, "text": result.text,
-                       "finish_reason": result.finish_reason, "seed": seed, "timings": timings},
+                       "finish_reason": result.finish_reason, "seed": seed, "loop": loop, "timings": timings},
                       ensure_ascii=False)
 
 
@@ -293,7 +290,7 @@ def _run_engine(args: argparse.Namespace, model: LlamaModel, tokenizer: Tokenize
                 "total_s": request.latency or 0.0,
                 "tokens": len(request.result.token_ids),
                 "decode_tokens_per_s": 1 / tpot if tpot else 0.0,
-            }))
+            }, "engine"))
     elif not printer:
         print()
     tokens = sum(len(r.output_ids) for r in requests)
@@ -374,6 +371,7 @@ def _generate(args: argparse.Namespace) -> int:
 
         check_prompt(prompt_ids, params, model.config)  # a prompt that does not fit waits for no compiler
         decoder = _compiled_decoder(args, model, params)
+        loop = loop if decoder is not None else "cached"
     if loop == "skeleton":  # stage 01: recomputes the whole sequence every step
         from aie_lessons.generate import generate
 
@@ -386,7 +384,7 @@ def _generate(args: argparse.Namespace) -> int:
         result = generate_cached(model, tokenizer, [prompt_ids], params,
                                  on_text=on_text and (lambda _index, text: on_text(text)))[0]
     if args.json:
-        print(_as_json(result, params.seed, result.timings))
+        print(_as_json(result, params.seed, result.timings, loop))
     else:
         print()
     return 0
@@ -525,10 +523,11 @@ def build_parser() -> argparse.ArgumentParser:
                      help="print one JSON object per prompt (one per line, in prompt order) at the end")
     gen.add_argument("--loop", choices=["skeleton", "cached", "compiled", "engine"],
                      help="skeleton: stage 01, no KV cache (slow, for comparison); cached: stage 04's "
-                          "KV cache; compiled: stage 09's compiled decoder, the default for one prompt "
-                          "where it can run (CPU, float32 activations, a C++ compiler; with --quant its "
-                          "tokens can differ from the cached loop's): a machine's first run compiles it "
-                          "into data/cache/inductor/aot, later ones load it); engine: continuous batching (stages 06–07) "
+                          "KV cache; compiled: stage 09's decoder compiled ahead of time, the default "
+                          "for one prompt where it can run (CPU, float32 activations, a C++ compiler; "
+                          "with --quant its tokens can differ from the cached loop's): a machine's first "
+                          "run compiles it into data/cache/inductor/aot, later ones load it; "
+                          "engine: continuous batching (stages 06–07) "
                           "(the default, and the only loop, for several prompts)")
     gen.add_argument("--max-seqs", type=int, default=DEFAULT_MAX_SEQS, metavar="N",
                      help=f"engine: requests running at once (default {DEFAULT_MAX_SEQS})")

@@ -40,7 +40,8 @@ def test_generate_json_has_ids_text_and_timings(tiny_dir):
     out = run("generate", "hello", "--model", str(tiny_dir), "--max-new-tokens", "5", "--json")
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout)
-    assert set(result) == {"prompt_ids", "token_ids", "text", "finish_reason", "seed", "timings"}
+    assert set(result) == {"prompt_ids", "token_ids", "text", "finish_reason", "seed", "loop", "timings"}
+    assert result["loop"] == "compiled"  # the default for one prompt
     assert result["seed"] is None  # greedy: nothing was drawn
     assert result["prompt_ids"] and len(result["token_ids"]) <= 5
     assert {"first_token_s", "total_s", "decode_tokens_per_s"} <= set(result["timings"])
@@ -104,11 +105,13 @@ def test_the_four_loops_agree(tiny_untied_dir, monkeypatch):
     args = ("generate", "The quick", "--model", str(tiny_untied_dir), "--max-new-tokens", "10", "--json")
     loops = ("skeleton", "cached", "engine")
     compiled, *others = run_json_side_by_side(monkeypatch, args, *((*args, "--loop", loop) for loop in loops))
+    assert [r["loop"] for r in (compiled, *others)] == ["compiled", *loops]  # none fell back
     assert len(set(compiled["token_ids"])) > 3, "the model must produce varied tokens for this to mean anything"
     for loop, result in zip(loops, others):
         assert (result["token_ids"], result["text"]) == (compiled["token_ids"], compiled["text"]), loop
     sampled = (*args, "--temperature", "1.5", "--top-p", "0.95", "--seed", "5")
     compiled, cached = run_json_side_by_side(monkeypatch, sampled, (*sampled, "--loop", "cached"))
+    assert (compiled["loop"], cached["loop"]) == ("compiled", "cached")
     assert compiled["token_ids"] == cached["token_ids"] and compiled["token_ids"] != others[1]["token_ids"]
 
 
@@ -226,10 +229,11 @@ def test_a_compiler_that_fails_leaves_the_cached_loop(tiny_dir, tmp_path, monkey
     fallback = run(*args)
     assert fallback.returncode == 0 and "the compiled decoder cannot run here, so the cached loop runs" in fallback.stderr
     assert "Traceback" not in fallback.stderr and "TORCHDYNAMO_VERBOSE" not in fallback.stderr, fallback.stderr
-    assert len(json.loads(fallback.stdout)["token_ids"]) > 0
+    assert len(json.loads(fallback.stdout)["token_ids"]) > 0 and json.loads(fallback.stdout)["loop"] == "cached"
     refused = run(*args, "--loop", "compiled")
     assert refused.returncode == 2 and "--loop compiled:" in refused.stderr and "Traceback" not in refused.stderr
-    assert not list((tmp_path / "empty").glob("aot/*")), "a failed compile left a file behind"
+    assert not list((tmp_path / "empty").glob("aot/*.pt2")), "a failed compile left a package behind"
+    assert (tmp_path / "empty" / "aot" / "failure.log").exists(), "the whole error is kept for whoever digs"
 
 
 def test_without_a_cpp_compiler_the_compiled_loop_is_refused_and_the_default_says_why(tiny_dir, monkeypatch, capsys):
@@ -257,13 +261,15 @@ def test_quantized_weights_run_through_the_compiled_decoder(tiny_dir, tmp_path):
 
 
 @pytest.mark.parametrize("flags, loop", [((), "compiled"), (("--quant", "int8"), "compiled"),
+                                         (("--max-new-tokens", "1"), "cached"),
                                          (("--quant", "int4-g192"), "cached"),
                                          (("--activations", "bfloat16"), "cached"),
                                          (("--device", "cuda"), "cached"),
                                          (("x",), "engine")])
 def test_the_default_loop_is_the_fastest_that_can_run(flags, loop, monkeypatch):
-    """The compiled decoder wherever it can run: not for int4-g192 (no kernel), bf16 activations
-    (the compiled step computes in fp32) or a GPU (compiled for the CPU); several prompts: the engine."""
+    """The compiled decoder wherever it can run and has a step to run: not for int4-g192 (no
+    kernel), bf16 activations (the compiled step computes in fp32), a GPU (compiled for the CPU)
+    or one new token (the prefill's alone); several prompts: the engine."""
     from aie_lessons.cli import _loop, build_parser
     from aie_lessons.infra import compile_cache
 

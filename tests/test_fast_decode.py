@@ -214,8 +214,10 @@ BF16_PROMPTS = (
 def test_real_model_fast_decoder_matches_transformers_fp32_and_bf16(real_model_dir):
     """fp32 and bf16 (bf16 weights, fp32 activations) against transformers in fp32.
 
-    The fused step runs eagerly here: compiled, it gives the eager step's logits on this model
-    (tests/test_ahead_of_time.py), and compiling two decoders would double this test's time.
+    The fused step runs eagerly here, compiling two decoders would double this test's time: the
+    step compiled ahead of time gives the eager step's logits on this model in fp32, and on the
+    tiny models in fp32 and bf16 (tests/test_ahead_of_time.py); torch.compile's step gives the
+    eager one's on the tiny models (below) and runs on this model in stage 09's notebook.
 
     bf16 tokens are compared over the steps where fp32's choice is decisive for bf16
     (``assert_greedy_agrees``), up to each answer's first near-tie: 43 of the 160 steps here.

@@ -13,7 +13,7 @@ import nbformat
 import pytest
 
 from aie_lessons.course.build import NOTEBOOKS_DIR, SOLUTIONS_DIR
-from aie_lessons.course.grade import GradeError, format_report, grade, write_junit
+from aie_lessons.course.grade import DEFAULT_CELL_TIMEOUT_S, GradeError, format_report, grade, write_junit
 from aie_lessons.course.progress import stages
 
 from side_by_side import two_at_a_time
@@ -34,14 +34,17 @@ def exercises(result) -> dict[str, bool]:
 def test_make_test_does_what_grading_the_solutions_would():
     """`aie grade solutions` runs each grading notebook under nbval, then each stage's checks
     sealed. For the solutions, the grading notebook *is* the solution notebook (below), which
-    `make test` runs under nbval, and `test_the_sealed_checks_pass_every_solution` runs the
-    sealed checks: so `make test` does not grade them again (a second run of every notebook)."""
+    `make test` runs under nbval with the grader's cell timeout, and
+    `test_the_sealed_checks_pass_every_solution` runs the sealed checks: so `make test` does not
+    grade them again (a second run of every notebook)."""
     from aie_lessons.infra.paths import REPO_ROOT
 
     makefile = (REPO_ROOT / "Makefile").read_text()
     recipe = makefile.split("\ntest:", 1)[1].split("\n\n", 1)[0]
     assert "-m pytest tests solutions/*.ipynb $(NBVAL)" in recipe
     assert recipe.rstrip().endswith("exit $$tests")  # a failing test fails make test
+    nbval = makefile.split("\nNBVAL  := ", 1)[1].split("\n\n", 1)[0]
+    assert f"--nbval-cell-timeout {DEFAULT_CELL_TIMEOUT_S}" in nbval  # a cell too slow to grade fails
 
 
 @pytest.mark.parametrize("name", [s.name for s in stages()])

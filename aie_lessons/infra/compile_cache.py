@@ -9,7 +9,6 @@ removes it) rather than in a temporary folder that a reboot may empty.
 
 from __future__ import annotations
 
-import hashlib
 import os
 from pathlib import Path
 
@@ -27,13 +26,6 @@ def use_compile_cache(path: Path | None = None) -> Path:
     folder = Path(os.environ[INDUCTOR_CACHE_ENV])
     folder.mkdir(parents=True, exist_ok=True)
     return folder
-
-
-def compiled_marker(folder: Path, key: str) -> Path:
-    """The file that says a decoder described by ``key`` (PyTorch version, model, dtypes,
-    schemes…) was compiled into ``folder`` before: written after a successful warm-up, so that
-    the next run can say it is loading rather than compiling."""
-    return folder / "aie-compiled" / hashlib.sha256(key.encode()).hexdigest()[:24]
 
 
 def cpp_compiler() -> str | None:

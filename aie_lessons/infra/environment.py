@@ -93,7 +93,7 @@ def environment_facts() -> dict[str, object]:
         facts["gpu"] = f"{props.name}, {props.total_memory / 2**30:.0f} GiB"
     model_dir = default_model_dir()
     fetched = (model_dir / "config.json").exists()
-    facts["model"] = f"{model_dir}" if fetched else f"not fetched yet: run `aie fetch-model`"
+    facts["model"] = f"{model_dir}" if fetched else "not fetched yet: run `aie fetch-model`"
     return facts
 
 
