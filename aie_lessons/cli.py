@@ -144,8 +144,8 @@ def _loop(args: argparse.Namespace, count: int) -> str:
     """The generate loop to run: the engine for several prompts; for one, stage 09's compiled
     decoder wherever it can run (the CPU, float32 activations, a C++ compiler, a kernel for the
     quantized weights) and there is a token to decode after the first — compiled ahead of
-    time, it starts about a second after the cached loop once a machine's first run has built
-    it — else stage 04's cached loop."""
+    time, it starts one to two seconds after the cached loop once a machine's first run has
+    built it — else stage 04's cached loop."""
     if count > 1 and args.loop not in (None, "engine"):
         raise UsageError(f"--loop {args.loop} runs one prompt; {count} prompts run through the engine. Fix: "
                          "drop --loop, or use --loop engine")
