@@ -15,7 +15,6 @@ every command once, then transformers, so every ratio is between measurements se
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -23,12 +22,10 @@ import subprocess
 import sys
 import tempfile
 import time
-import warnings
 from pathlib import Path
 
-import torch
-
-from decode import PROMPT, transformers_speed  # benchmarks/decode.py: the same prompt, timed the same way
+# benchmarks/decode.py: the same prompt, arguments and reference model, timed the same way
+from decode import PROMPT, benchmark_args, transformers_fp32, transformers_speed
 
 from aie_lessons.infra.paths import default_model_dir
 from aie_lessons.tokenizer import Tokenizer
@@ -65,16 +62,10 @@ def json_run(command: list[str], env: dict[str, str], loop: str) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--tokens", type=int, default=128)
-    parser.add_argument("--rounds", type=int, default=3)
-    args = parser.parse_args()
-    import transformers
-
-    warnings.filterwarnings("ignore")
+    args = benchmark_args(__doc__.split("\n\n")[0], rounds=3)
     model_dir = default_model_dir()
     tokenizer = Tokenizer.from_pretrained(model_dir)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    hf = transformers_fp32(model_dir)
     base = [str(AIE), "generate", "--chat", PROMPT, "--max-new-tokens", str(args.tokens)]
     commands = {"compiled (default)": base, "cached loop": [*base, "--loop", "cached"]}
     loops = {"compiled (default)": "compiled", "cached loop": "cached"}

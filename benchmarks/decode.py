@@ -110,6 +110,23 @@ def transformers_speed(model, prompt_ids, tokens: int, pad_id: int) -> float:
     return (tokens - 1) / max(total - prefill, 1e-9)
 
 
+def benchmark_args(description: str, rounds: int) -> argparse.Namespace:
+    """``--tokens`` and ``--rounds``, as every decode benchmark here takes them."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--rounds", type=int, default=rounds)
+    return parser.parse_args()
+
+
+def transformers_fp32(model_dir: Path):
+    """transformers' model on the same weights in fp32: what every decode ratio is taken against.
+    Imported here, late: it is the slowest import of all, and ``--help`` should not wait for it."""
+    import transformers
+
+    warnings.filterwarnings("ignore")
+    return transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
 def step_seconds(steps: Iterator[int]) -> float:
     """Time one ``next()`` of a ``FastDecoder.tokens`` generator: one decode step."""
     start = time.perf_counter()
@@ -274,19 +291,13 @@ def compare_with_llama_cpp(ours: dict[str, FastDecoder], tokenizer: Tokenizer, p
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--tokens", type=int, default=128)
-    parser.add_argument("--rounds", type=int, default=5)
-    args = parser.parse_args()
-    import transformers
-
-    warnings.filterwarnings("ignore")
+    args = benchmark_args(__doc__.split("\n\n")[0], rounds=5)
     model_dir = default_model_dir()
     tokenizer = Tokenizer.from_pretrained(model_dir)
     prompt_ids = tokenizer.encode_chat(PROMPT)
     fp32 = LlamaModel.from_pretrained(model_dir, dtype=torch.float32)
     bf16 = LlamaModel.from_pretrained(model_dir, dtype=torch.bfloat16)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    hf = transformers_fp32(model_dir)
     fast_fp32, fast_bf16 = FastDecoder(fp32), FastDecoder(bf16)
     quantized = {scheme: QuantizedFastDecoder(quantize_model(LlamaModel.from_pretrained(model_dir, dtype=torch.bfloat16),
                                                              scheme)) for scheme in ("int8", "int4-g32")}
