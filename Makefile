@@ -34,13 +34,17 @@ lab: venv model
 ## notebook and each stage's checks run sealed — are both here (tests/test_grade.py), so it would
 ## only run every notebook a second time (the longest phase of all); the grader itself is tested
 ## end to end on submissions of stage 02.
-## One process at a time: torch already uses both cores, and two processes of two threads each ran
-## 2.4x slower here. The slowest tests and the time of each phase are printed at the end.
+## Two pytest workers (pytest-xdist), a test file or notebook each at a time, one thread each: most
+## tests are a fresh Python, a kernel or the model starting up, or small tensors — one core's work —
+## so two side by side take far less than one after the other, while one thread each keeps them
+## from fighting over the two cores (two processes of two threads each ran 2.4x slower here).
+## The slowest tests and the time of each phase are printed at the end.
+WORKERS := -n 2 --dist loadfile
 test:
 	@t0=$$(date +%s); \
 	$(MAKE) --no-print-directory venv || exit $$?; t1=$$(date +%s); \
 	$(MAKE) --no-print-directory model || exit $$?; t2=$$(date +%s); \
-	$(PY) -m pytest tests solutions/*.ipynb $(NBVAL) --durations=15; tests=$$?; t3=$$(date +%s); \
+	OMP_NUM_THREADS=1 $(PY) -m pytest tests solutions/*.ipynb $(NBVAL) $(WORKERS) --durations=25; tests=$$?; t3=$$(date +%s); \
 	echo "make test: install $$((t1 - t0)) s, model $$((t2 - t1)) s, pytest and nbval $$((t3 - t2)) s" \
 	     "(exit $$tests), total $$((t3 - t0)) s"; \
 	exit $$tests

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 
@@ -35,17 +36,42 @@ def copy_bandwidth(megabytes: int = 256, repeats: int = 5, device: torch.device 
     return 2 * source.nbytes / best_seconds(lambda: target.copy_(source), repeats, device)
 
 
-def matmul_throughput(dtype: torch.dtype, size: int = 2048, repeats: int = 5, device: torch.device | str = "cpu") -> float:
-    """Operations per second of a ``size``-square matrix product (2·size³ per product): FLOP/s
-    in floating point, integer operations per second for ``torch.int8`` (``torch._int_mm``)."""
+class Peak(NamedTuple):
+    """A measured arithmetic ceiling, and the side of the square matrices it was measured on."""
+
+    per_second: float
+    size: int
+
+
+def square_product(dtype: torch.dtype, size: int, device: torch.device | str = "cpu") -> Callable[[], object]:
+    """A ``size``-square matrix product in ``dtype``, ready to call: ``torch._int_mm`` for
+    ``torch.int8`` (int8 in, int32 out), ``@`` otherwise."""
     if dtype == torch.int8:
         a = torch.randint(-128, 128, (size, size), dtype=torch.int8, device=device)
         b = torch.randint(-128, 128, (size, size), dtype=torch.int8, device=device)
-        product = lambda: torch._int_mm(a, b)  # noqa: E731 - int8 in, int32 out
-    else:
-        a, b = (torch.randn(size, size, dtype=dtype, device=device) for _ in range(2))
-        product = lambda: a @ b  # noqa: E731
-    return 2 * size**3 / best_seconds(product, repeats, device)
+        return lambda: torch._int_mm(a, b)
+    a, b = (torch.randn(size, size, dtype=dtype, device=device) for _ in range(2))
+    return lambda: a @ b
+
+
+def matmul_throughput(dtype: torch.dtype, size: int | None = None, repeats: int = 5,
+                      device: torch.device | str = "cpu", seconds: float = 0.1, max_size: int = 2048) -> Peak:
+    """Operations per second of a square matrix product (2·size³ per product): FLOP/s in
+    floating point, integer operations per second for ``torch.int8``.
+
+    Without ``size`` the probe sizes itself: it doubles the side from 64 until one product (its
+    second call, past any first-call set-up) takes ``seconds``, or the side reaches ``max_size``.
+    Small matrices under-use a fast unit, so a fast path grows to a size that shows its peak;
+    a slow path stops early, so its probe stays short on every CPU.
+    """
+    if size is None:
+        size = 64
+        while size < max_size:
+            product = square_product(dtype, size, device)
+            if best_seconds(product, 1, device) >= seconds:
+                break
+            size *= 2
+    return Peak(2 * size**3 / best_seconds(square_product(dtype, size, device), repeats, device), size)
 
 
 def products_seconds(matrices: list[torch.Tensor], rows: int, repeats: int = 3) -> float:

@@ -47,6 +47,7 @@ from aie_lessons.sampling import SamplingParams, greedy_step, make_generator, sa
 from aie_lessons.masks import attention_mask
 from aie_lessons.model import LlamaModel
 from aie_lessons.padded_batch import generate_batch, left_pad
+from aie_lessons.infra.environment import bf16_line, cpu_facts
 from aie_lessons.infra.paths import default_model_dir
 from aie_lessons.tokenizer import Tokenizer
 
@@ -838,27 +839,47 @@ with torch.inference_mode():
             for t in range(prompt_tokens, prompt_tokens + decode_tokens):
                 logits = variant(logits.argmax(-1), torch.tensor([[t]]), cache=cache, cache_start=t)
             decode_speed[name].append(decode_tokens / (time.perf_counter() - start))
-print(f"{'':32} {'prefill tok/s':>14} {'× fp32':>7} {'eager decode tok/s':>19}")
+print(f"{'':32} {'prefill tok/s':>14} {'× fp32':>7} {'eager decode tok/s':>19} {'× fp32':>7}")
+ratios = {}
 for name in speed_models:
-    prefill = statistics.median(prefill_speed[name])
-    print(f"{name:32} {prefill:>14.0f} {prefill / statistics.median(prefill_speed['fp32']):>7.1f} "
-          f"{statistics.median(decode_speed[name]):>19.1f}")
+    prefill, decode = statistics.median(prefill_speed[name]), statistics.median(decode_speed[name])
+    ratios[name] = (prefill / statistics.median(prefill_speed["fp32"]),
+                    decode / statistics.median(decode_speed["fp32"]))
+    print(f"{name:32} {prefill:>14.0f} {ratios[name][0]:>7.2f} {decode:>19.1f} {ratios[name][1]:>7.2f}")
+
+
+def versus_fp32(ratio: float) -> str:
+    """A ratio to fp32's speed in words; within 5% counts as the same (a shared CPU drifts that much)."""
+    return "about as fast as" if abs(ratio - 1) < 0.05 else f"{ratio:.2f}× as fast as"
+
+
+print(f"\non this CPU (bf16 instructions: {bf16_line(cpu_facts())}):")
+print(f"- bf16 activations prefill {versus_fp32(ratios['bf16 weights, bf16 activations'][0])} fp32")
+for name in bf16_variants:
+    print(f"- {name}: the eager decode runs {versus_fp32(ratios[name][1])} fp32")
 del bf16_variants, speed_models
 
 # %% [markdown]
-# The "× fp32" column above is what bf16 arithmetic does for the prefill on this processor.
-# On a CPU with bf16 matrix instructions (AMX, AVX-512 BF16) bf16 activations run it faster
-# than fp32; fp32 activations pay fp32 arithmetic plus the conversion of every weight block.
-# Eagerly, bf16 weights buy the decode little or nothing (the last column): at one token each
-# `F.linear` is a call that gains nothing from bf16 weights, and fp32 activations add the
-# conversion. The bytes pay off in stage 09's compiled decoder, which reads bf16 and computes
-# in fp32 in one loop: its ladder measures what they buy.
+# The lines under the table say what bf16 did on *this* processor, and the instruction set
+# decides it:
+#
+# - **Prefill with bf16 activations.** A CPU with bf16 matrix instructions (AMX, AVX-512 BF16:
+#   recent Xeons, AMD Zen 4) runs it faster than fp32. A CPU without them (AVX2 only: AMD Zen 3,
+#   most laptops before 2022) multiplies bf16 in a fallback path, several times *slower* than
+#   fp32. fp32 activations pay fp32 arithmetic plus the conversion of every weight block.
+# - **Eager decode with bf16 weights.** At one token each `F.linear` reads half the bytes but
+#   converts what it reads (to fp32, or through a bf16 path that is slow without bf16
+#   instructions), so the eager step does not turn the halved bytes into speed: on the CPUs the
+#   course was tested on it ran at best about as fast as fp32, and slower on some (the last
+#   line above says by how much here). The bytes pay
+#   off in stage 09's compiled decoder, which reads bf16 and computes in fp32 in one loop: its
+#   ladder measures what they buy.
 #
 # So the course keeps **fp32 activations** as the default: on real text they had several times
 # fewer positions with a different best token than bf16 activations, and a far smaller KL
 # (the ratios printed above; the cell after them checks the direction, and the KL ratio's
 # floor), and the speed bf16 is for — decoding — comes from the bytes, not from bf16
-# arithmetic. The price is the prefill's speed on CPUs with bf16 instructions.
+# arithmetic. The price is the prefill's speed, and only on CPUs with bf16 instructions.
 # `activations=torch.bfloat16` stays one argument away, for long prompts on such a CPU, or on
 # a GPU, where bf16 arithmetic is the fast path.
 #

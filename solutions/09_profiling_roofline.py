@@ -81,12 +81,19 @@ config = model.config
 # * **copy bandwidth**: `dst.copy_(src)` over 256 MiB, counting the bytes read and the bytes
 #   written. It is shown for contrast: a copy's traffic is half writes, a decode step's is
 #   almost all reads, so a roofline of decode built on the copy figure would be the wrong one.
-# * **peak arithmetic**: a 2048 × 2048 matrix multiplication in fp32 and bf16 (`2n³` FLOPs), and
+# * **peak arithmetic**: a square matrix multiplication in fp32 and bf16 (`2n³` FLOPs), and
 #   the integer multiplication `torch._int_mm` in int8 (operations, counted the same way). The
 #   int8 × int8 product is the ceiling of a step that computed entirely in integers; stage 08's
 #   kernels multiply int8 weights by bf16 activations, so bf16's peak is theirs.
 #
-# The best of a few runs is the ceiling: the machine reached it, so it can.
+# The best of a few runs is the ceiling: the machine reached it, so it can. The matrices' size
+# is not fixed, because the same product takes 0.01 s on one CPU and seconds on another: a CPU
+# with bf16 or int8 dot-product instructions (AVX-512 BF16, AMX, VNNI) multiplies those types
+# at or above fp32's speed, while one without them (an AVX2-only AMD Zen 3, most laptops before
+# 2022) takes a fallback path up to a hundred times slower. So the probe **sizes itself**: it
+# doubles the side from 64 until one product takes a tenth of a second (2048 at most), and
+# measures there. A slow path still gets measured, on small matrices, so you see the cliff
+# without waiting minutes for it. `aie env` (and stage 00) names the instructions your CPU has.
 
 # %%
 # export: ceilings
@@ -96,6 +103,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 
@@ -125,32 +133,64 @@ def copy_bandwidth(megabytes: int = 256, repeats: int = 5, device: torch.device 
     return 2 * source.nbytes / best_seconds(lambda: target.copy_(source), repeats, device)
 
 
-def matmul_throughput(dtype: torch.dtype, size: int = 2048, repeats: int = 5, device: torch.device | str = "cpu") -> float:
-    """Operations per second of a ``size``-square matrix product (2·size³ per product): FLOP/s
-    in floating point, integer operations per second for ``torch.int8`` (``torch._int_mm``)."""
+class Peak(NamedTuple):
+    """A measured arithmetic ceiling, and the side of the square matrices it was measured on."""
+
+    per_second: float
+    size: int
+
+
+def square_product(dtype: torch.dtype, size: int, device: torch.device | str = "cpu") -> Callable[[], object]:
+    """A ``size``-square matrix product in ``dtype``, ready to call: ``torch._int_mm`` for
+    ``torch.int8`` (int8 in, int32 out), ``@`` otherwise."""
     if dtype == torch.int8:
         a = torch.randint(-128, 128, (size, size), dtype=torch.int8, device=device)
         b = torch.randint(-128, 128, (size, size), dtype=torch.int8, device=device)
-        product = lambda: torch._int_mm(a, b)  # noqa: E731 - int8 in, int32 out
-    else:
-        a, b = (torch.randn(size, size, dtype=dtype, device=device) for _ in range(2))
-        product = lambda: a @ b  # noqa: E731
-    return 2 * size**3 / best_seconds(product, repeats, device)
+        return lambda: torch._int_mm(a, b)
+    a, b = (torch.randn(size, size, dtype=dtype, device=device) for _ in range(2))
+    return lambda: a @ b
+
+
+def matmul_throughput(dtype: torch.dtype, size: int | None = None, repeats: int = 5,
+                      device: torch.device | str = "cpu", seconds: float = 0.1, max_size: int = 2048) -> Peak:
+    """Operations per second of a square matrix product (2·size³ per product): FLOP/s in
+    floating point, integer operations per second for ``torch.int8``.
+
+    Without ``size`` the probe sizes itself: it doubles the side from 64 until one product (its
+    second call, past any first-call set-up) takes ``seconds``, or the side reaches ``max_size``.
+    Small matrices under-use a fast unit, so a fast path grows to a size that shows its peak;
+    a slow path stops early, so its probe stays short on every CPU.
+    """
+    if size is None:
+        size = 64
+        while size < max_size:
+            product = square_product(dtype, size, device)
+            if best_seconds(product, 1, device) >= seconds:
+                break
+            size *= 2
+    return Peak(2 * size**3 / best_seconds(square_product(dtype, size, device), repeats, device), size)
 
 
 # %%
 # NBVAL_IGNORE_OUTPUT
 from aie_lessons.ceilings import best_seconds, copy_bandwidth, matmul_throughput
+from aie_lessons.infra.environment import bf16_line, cpu_facts, int8_line
 
 read_bytes_per_s, _ = read_bandwidth()
 ceilings = {"read": read_bytes_per_s, "copy": copy_bandwidth()}
-peaks = {name: matmul_throughput(dtype) for name, dtype in
-         (("fp32", torch.float32), ("bf16", torch.bfloat16), ("int8", torch.int8))}
+measured_peaks = {name: matmul_throughput(dtype) for name, dtype in
+                  (("fp32", torch.float32), ("bf16", torch.bfloat16), ("int8", torch.int8))}
+peaks = {name: peak.per_second for name, peak in measured_peaks.items()}
 print(f"read bandwidth  {ceilings['read'] / 1e9:7.1f} GB/s")
 print(f"copy bandwidth  {ceilings['copy'] / 1e9:7.1f} GB/s (read + written)")
-for name, peak in peaks.items():
-    print(f"{name:>4} matmul     {peak / 1e9:7.1f} G{'FL' if name != 'int8' else ''}OP/s"
+for name, (peak, size) in measured_peaks.items():
+    print(f"{name:>4} matmul     {peak / 1e9:7.1f} G{'FL' if name != 'int8' else ''}OP/s at {size:>4} × {size:<4}"
           f" → ridge at {peak / ceilings['read']:5.1f} operations per byte read")
+cpu = cpu_facts()
+for name, units in (("bf16", bf16_line(cpu)), ("int8", int8_line(cpu))):
+    ratio = peaks[name] / peaks["fp32"]
+    verdict = "a fallback path, measured small to stay short" if ratio < 0.5 else "a fast path"
+    print(f"{name}: {ratio:.2f}× fp32's speed — {verdict}; this CPU's {name} instructions: {units}")
 
 # %% [markdown]
 # The **ridge point** of each precision is printed last: a step needs at least that many
@@ -1712,9 +1752,11 @@ checks.stage09.check_pad_rows(pad_rows)
 # columns with the padding masked. A product of B rows by a weight matrix is a real matrix
 # product now, so it is `F.linear` (a BLAS or oneDNN call inside the compiled code) rather
 # than the ladder's broadcast-and-sum, which would read the weights once per row. With bf16
-# weights the product's inputs are rounded to bf16 and multiplied by the CPU's bf16 units
-# (AMX, or AVX-512 BF16), accumulating in fp32 — faster than the eager engine, which converts
-# each weight row to fp32 first, but not the same arithmetic: the cells below measure both.
+# weights the product's inputs are rounded to bf16 and multiplied in bf16, accumulating in fp32:
+# by the CPU's bf16 units where it has them (AMX, or AVX-512 BF16), and then faster than the
+# eager engine, which converts each weight row to fp32 first; by a far slower fallback path where
+# it has none (AVX2 only: section 1's bf16 line says which). Either way it is not the same
+# arithmetic as the eager engine's: the cells below measure both.
 
 # %%
 # export: engine.compiled_runner
@@ -2016,19 +2058,25 @@ for weights, weights_model in (("fp32", model), ("bf16", bf16_model)):
         print(f"{weights}, {rows:>2} row{'s' * (rows > 1)}: the products alone take {products_time[weights, rows] * 1e3:5.1f} ms, "
               f"{roof / products_time[weights, rows]:4.0%} of their roofline")
     del step_matrices
+for weights in ("fp32", "bf16"):
+    print(f"{weights}: the products of {rows16} rows take {products_time[weights, rows16] / products_time[weights, 1]:.1f}x "
+          "the time of one row's")
 eager16, compiled16 = (rows16 / engine_speed["fp32", rows16, kind] for kind in ("eager", "compiled"))
 print(f"fp32, {rows16} running: the eager step takes {eager16 * 1e3:.1f} ms, the compiled one {compiled16 * 1e3:.1f} ms; "
       f"with only the products left, a step could be at most {eager16 / products_time['fp32', rows16]:.2f}x faster "
       "than the eager one")
 
 # %% [markdown]
-# Read the table by rows. In fp32, the products of 16 rows take far longer than those of one,
-# although they read the same bytes: these thin products (16 rows against 576-wide matrices)
-# are done by the fp32 units well below the roofline, and compiling cannot change that. With
-# bf16 weights, 16 rows cost little more than one: the CPU's bf16 units (AMX, or AVX-512 BF16)
-# do the extra rows' arithmetic almost for free. So the compiled bf16 step should gain most
-# where many requests run. (At one row it does not beat the ladder's rung 7, whose
-# broadcast-and-sum product streams the weights faster than a library call for a single row.)
+# Read the table by rows, and the two lines under it: what 16 rows cost against one, in each
+# dtype, although they read the same bytes. In fp32 these thin products (16 rows against
+# 576-wide matrices) are done by the fp32 units well below the roofline, and compiling cannot
+# change that. In bf16 the instruction set decides. A CPU with bf16 units (AMX, or AVX-512
+# BF16) does the extra rows' arithmetic almost for free, so 16 rows cost little more than one,
+# and the compiled bf16 step should gain most where many requests run. A CPU without them
+# (AVX2 only) multiplies bf16 in a fallback path whose time grows with every row: there the
+# bf16 line is the worse one. (At one row
+# the compiled step does not beat the ladder's rung 7, whose broadcast-and-sum product streams
+# the weights faster than a library call for a single row.)
 #
 # Eager, the engine converts each bf16 weight row to fp32 before the product (stage 04's
 # `Linear`) — a slow baseline, slower than fp32 at few rows; compiled, the activations are
@@ -2233,7 +2281,7 @@ if gpu_reason:
 else:
     gpu = torch.device("cuda")
     gpu_read = gpu_read_bandwidth(gpu)
-    gpu_peaks = {name: matmul_throughput(dtype, 8192, 10, gpu) for name, dtype in
+    gpu_peaks = {name: matmul_throughput(dtype, 8192, 10, gpu).per_second for name, dtype in
                  (("fp32", torch.float32), ("bf16", torch.bfloat16), ("int8", torch.int8))}
     print(f"{torch.cuda.get_device_name()}: read {gpu_read / 1e9:.0f} GB/s, copy "
           f"{copy_bandwidth(1024, 10, gpu) / 1e9:.0f} GB/s (read + written)")

@@ -46,10 +46,11 @@ def test_a_timing_reads_its_speed_up_and_read_rate():
 
 def test_the_ceilings_take_a_device():
     assert copy_bandwidth(8, 1, device="cpu") > 0
-    assert matmul_throughput(torch.float32, 64, 1, device="cpu") > 0
+    assert matmul_throughput(torch.float32, 64, 1, device="cpu").per_second > 0
     assert best_seconds(lambda: None, 1, device="cpu") >= 0
 
 
+@pytest.mark.gpu
 @needs_gpu
 def test_on_a_gpu_the_compiled_kernels_match_pytorch():
     for row in (flash_vs_sdpa((512,), 1, 9, 3, 64, torch.bfloat16, "cuda")

@@ -167,6 +167,7 @@ def test_interpreter_refuses_bf16():
         paged.paged_decode_attention_triton(*make_case([5], dtype=torch.bfloat16))
 
 
+@pytest.mark.gpu
 @needs_gpu
 @needs_triton
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -182,6 +183,7 @@ def test_compiled_kernel_model_shapes(dtype):
                                atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
 
 
+@pytest.mark.gpu
 @needs_gpu
 @needs_triton
 def test_compiled_kernel_refuses_cpu_tensors():

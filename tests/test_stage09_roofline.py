@@ -82,7 +82,35 @@ def test_the_count_equals_flop_counter_on_the_real_model(real_model):
 def test_the_probes_measure_something():
     assert copy_bandwidth(megabytes=8, repeats=2) > 1e8  # bytes per second: any machine moves more
     for dtype in (torch.float32, torch.bfloat16, torch.int8):
-        assert matmul_throughput(dtype, size=128, repeats=2) > 1e6
+        peak = matmul_throughput(dtype, size=128, repeats=2)
+        assert peak.size == 128 and peak.per_second > 1e6
+
+
+def test_the_matmul_probe_sizes_itself_to_the_time_it_is_given(monkeypatch):
+    """It grows the matrices until one product takes ``seconds`` (a slow path stops small, so the
+    probe stays short on a CPU without bf16 instructions), and stops at ``max_size``."""
+    from aie_lessons import ceilings
+
+    product_seconds = {}  # side -> the seconds one product takes, as the fake clock tells it
+
+    def timed(call, repeats, device="cpu"):
+        return product_seconds[call.size]
+
+    def square(dtype, size, device="cpu"):
+        call = lambda: None  # noqa: E731
+        call.size = size
+        return call
+
+    monkeypatch.setattr(ceilings, "best_seconds", timed)
+    monkeypatch.setattr(ceilings, "square_product", square)
+    fast = {n: 2 * n**3 / 100e9 for n in (64, 128, 256, 512, 1024, 2048, 4096)}  # 100 GFLOP/s
+    slow = {n: 2 * n**3 / 1.2e9 for n in fast}  # 1.2 GFLOP/s: bf16 on an AVX2-only CPU
+    product_seconds.update(fast)
+    assert matmul_throughput(torch.float32, seconds=0.1) == (pytest.approx(100e9), 2048)
+    assert matmul_throughput(torch.float32, seconds=0.01) == (pytest.approx(100e9), 1024)
+    product_seconds.update(slow)
+    assert matmul_throughput(torch.bfloat16, seconds=0.1) == (pytest.approx(1.2e9), 512)
+    assert matmul_throughput(torch.bfloat16, seconds=0.1, max_size=256).size == 256
 
 
 @pytest.mark.parametrize("batch", [1, 16])

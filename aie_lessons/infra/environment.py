@@ -1,7 +1,10 @@
 """What this machine is: versions, processor, memory, GPU, Triton. Shown by ``aie env``.
 
 Every number the course measures (tokens/s, bandwidth, the roofline) depends on these facts, so
-stage 00 prints them first and a learner can compare their results with someone else's.
+stage 00 prints them first and a learner can compare their results with someone else's. The
+low-precision lines matter most: a CPU without bf16 or int8 dot-product instructions runs those
+products in a slow fallback (on an AVX2-only AMD Zen 3, a bf16 matrix product is ~85× slower than
+fp32), so which instructions exist decides whether bf16 weights are a gain or a loss there.
 """
 
 from __future__ import annotations
@@ -9,16 +12,25 @@ from __future__ import annotations
 import importlib.metadata
 import os
 import platform
+import subprocess
 import sys
 from pathlib import Path
 
 from aie_lessons.infra.paths import default_model_dir
 
-# CPU features that decide which fast paths PyTorch's CPU kernels can take.
-CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile", "neon", "asimd")
+# CPU features that decide which fast paths PyTorch's CPU kernels can take, by the names Linux
+# gives them in /proc/cpuinfo (x86 "flags", Arm "Features").
+CPU_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "avx_vnni", "avx512_fp16",
+             "amx_tile", "amx_bf16", "amx_int8", "asimd", "asimddp", "bf16", "i8mm", "sve")
 # Which instructions multiply bf16 here. Each family rounds and sums bf16 products in its own
 # order, so bf16 results (and speed) differ between, say, AMD Zen 4 and Intel Xeon with AMX.
 BF16_UNITS = (("amx_bf16", "AMX-BF16 tiles"), ("avx512_bf16", "AVX-512 BF16"), ("bf16", "Arm BF16"))
+# Which instructions multiply int8 by int8 and sum into int32 (what `torch._int_mm` wants).
+INT8_UNITS = (("amx_int8", "AMX-INT8 tiles"), ("avx512_vnni", "AVX-512 VNNI"), ("avx_vnni", "AVX-VNNI"),
+              ("i8mm", "Arm I8MM"), ("asimddp", "Arm dot product"))
+# macOS has no /proc/cpuinfo: `sysctl hw.optional` names the same Arm features differently.
+DARWIN_FEATURES = {"hw.optional.arm.FEAT_BF16": "bf16", "hw.optional.arm.FEAT_I8MM": "i8mm",
+                   "hw.optional.arm.FEAT_DotProd": "asimddp", "hw.optional.neon": "asimd"}
 
 
 def _version(package: str) -> str | None:
@@ -28,25 +40,40 @@ def _version(package: str) -> str | None:
         return None
 
 
+def parse_cpuinfo(text: str) -> dict[str, object]:
+    """Model, vendor and the flags of ``CPU_FLAGS`` that a /proc/cpuinfo text lists."""
+    facts: dict[str, object] = {}
+    flags: set[str] = set()
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        key = key.strip()
+        if key == "model name" and "model" not in facts:
+            facts["model"] = value.strip()
+        elif key == "vendor_id" and "vendor" not in facts:
+            facts["vendor"] = value.strip()
+        elif key in ("flags", "Features"):
+            flags |= set(value.split())
+    facts["features"] = [f for f in CPU_FLAGS if f in flags]
+    return facts
+
+
+def _darwin_features() -> list[str]:
+    """The Arm features a Mac reports, asked of ``sysctl`` (time-boxed: it answers at once)."""
+    try:
+        text = subprocess.run(["sysctl", *DARWIN_FEATURES], capture_output=True, text=True, timeout=5).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    present = {line.split(":")[0].strip() for line in text.splitlines() if line.rstrip().endswith(": 1")}
+    return [flag for key, flag in DARWIN_FEATURES.items() if key in present]
+
+
 def cpu_facts() -> dict[str, object]:
     facts: dict[str, object] = {"cores": os.cpu_count(), "model": platform.processor() or "?"}
     cpuinfo = Path("/proc/cpuinfo")
     if cpuinfo.exists():
-        text = cpuinfo.read_text()
-        for line in text.splitlines():
-            if line.startswith("model name"):
-                facts["model"] = line.split(":", 1)[1].strip()
-                break
-        for line in text.splitlines():
-            if line.startswith("vendor_id"):
-                facts["vendor"] = line.split(":", 1)[1].strip()
-                break
-        flags = set()
-        for line in text.splitlines():
-            if line.startswith(("flags", "Features")):
-                flags |= set(line.split(":", 1)[1].split())
-        facts["features"] = [f for f in CPU_FLAGS if f in flags]
-        facts["bf16"] = [name for flag, name in BF16_UNITS if flag in flags]
+        facts |= parse_cpuinfo(cpuinfo.read_text())
+    elif sys.platform == "darwin":
+        facts["features"] = _darwin_features()
     meminfo = Path("/proc/meminfo")
     if meminfo.exists():
         total_kib = int(meminfo.read_text().split("MemTotal:")[1].split()[0])
@@ -54,11 +81,36 @@ def cpu_facts() -> dict[str, object]:
     return facts
 
 
+def units_line(cpu: dict[str, object], units: tuple[tuple[str, str], ...], missing: str) -> str:
+    """The instruction sets of ``units`` that ``cpu_facts`` found, or ``missing`` when none is."""
+    if "features" not in cpu:
+        return "unknown (this system does not say which instructions its CPU has)"
+    return " and ".join(name for flag, name in units if flag in cpu["features"]) or missing
+
+
 def bf16_line(cpu: dict[str, object]) -> str:
-    """Which instructions multiply bf16 here, as ``cpu_facts`` found them."""
-    if "bf16" not in cpu:
-        return "unknown (no /proc/cpuinfo to read)"
-    return " and ".join(cpu["bf16"]) or "no bf16 instructions: bf16 is converted to fp32"
+    """Which instructions multiply bf16 here."""
+    return units_line(cpu, BF16_UNITS, "none: bf16 matrix products take a slow fallback path here; "
+                                       "bf16 still halves the bytes (stage 04 measures what that buys)")
+
+
+def int8_line(cpu: dict[str, object]) -> str:
+    """Which instructions multiply int8 here."""
+    return units_line(cpu, INT8_UNITS, "no int8 dot-product instructions: int8 × int8 products are "
+                                       "widened first, and run far below fp32's speed")
+
+
+def torch_kernels_line() -> str:
+    """The vector instructions PyTorch's own CPU kernels were dispatched to, and whether its
+    oneDNN library multiplies bf16 matrices natively: PyTorch decides both at start-up, and the
+    environment can lower them (``ATEN_CPU_CAPABILITY``, ``ONEDNN_MAX_CPU_ISA``)."""
+    import torch
+
+    capability = torch.backends.cpu.get_cpu_capability()
+    if platform.machine().lower() in ("x86_64", "amd64"):
+        native = torch.ops.mkldnn._is_mkldnn_bf16_supported()
+        return f"{capability}; oneDNN bf16 matrix products: {'native' if native else 'not available'}"
+    return capability
 
 
 def triton_status() -> tuple[bool, str]:
@@ -84,6 +136,7 @@ def environment_facts() -> dict[str, object]:
         "torch": torch.__version__,
         "torch threads": torch.get_num_threads(),
         "cpu": cpu_facts(),
+        "torch cpu kernels": torch_kernels_line(),
         "cuda": torch.cuda.is_available(),
         "triton": triton_status(),
         "transformers": _version("transformers") or "not installed (only the tests need it)",
@@ -106,6 +159,7 @@ def environment_report() -> str:
         ("cpu", f"{cpu['model']} ({cpu.get('vendor', 'vendor unknown')}, {cpu['cores']} logical cores)"),
         ("cpu features", ", ".join(cpu.get("features", [])) or "none detected"),
         ("bf16 arithmetic", bf16_line(cpu)),
+        ("int8 arithmetic", int8_line(cpu)),
         ("memory", f"{cpu.get('memory_gb', '?')} GB"),
     ]
     rows.append(("triton", ("available: " if triton_ok else "unavailable: ") + triton_why))
