@@ -39,7 +39,7 @@ lab: venv model
 ## so two side by side take far less than one after the other, while one thread each keeps them
 ## from fighting over the two cores (two processes of two threads each ran 2.4x slower here).
 ## The slowest tests and the time of each phase are printed at the end.
-WORKERS := -n 2 --dist loadfile
+WORKERS ?= -n 2 --dist loadfile
 test:
 	@t0=$$(date +%s); \
 	$(MAKE) --no-print-directory venv || exit $$?; t1=$$(date +%s); \

@@ -45,13 +45,16 @@ class Peak(NamedTuple):
 
 def square_product(dtype: torch.dtype, size: int, device: torch.device | str = "cpu") -> Callable[[], object]:
     """A ``size``-square matrix product in ``dtype``, ready to call: ``torch._int_mm`` for
-    ``torch.int8`` (int8 in, int32 out), ``@`` otherwise."""
+    ``torch.int8`` (int8 in, int32 out), ``F.linear`` otherwise."""
     if dtype == torch.int8:
         a = torch.randint(-128, 128, (size, size), dtype=torch.int8, device=device)
         b = torch.randint(-128, 128, (size, size), dtype=torch.int8, device=device)
         return lambda: torch._int_mm(a, b)
-    a, b = (torch.randn(size, size, dtype=dtype, device=device) for _ in range(2))
-    return lambda: a @ b
+    x, weight = (torch.randn(size, size, dtype=dtype, device=device) for _ in range(2))
+    # F.linear, the model's own layout (weight rows are output features): without bf16
+    # instructions, PyTorch's fallback for `a @ b` is several times slower still, so a peak
+    # measured that way would sit below what the model's products reach.
+    return lambda: torch.nn.functional.linear(x, weight)
 
 
 def matmul_throughput(dtype: torch.dtype, size: int | None = None, repeats: int = 5,
@@ -62,7 +65,8 @@ def matmul_throughput(dtype: torch.dtype, size: int | None = None, repeats: int 
     Without ``size`` the probe sizes itself: it doubles the side from 64 until one product (its
     second call, past any first-call set-up) takes ``seconds``, or the side reaches ``max_size``.
     Small matrices under-use a fast unit, so a fast path grows to a size that shows its peak;
-    a slow path stops early, so its probe stays short on every CPU.
+    a slow path stops early, so its probe stays short on every CPU: about (repeats + 3) products
+    of ``seconds`` each at the size it stops at, plus the smaller ones before it.
     """
     if size is None:
         size = 64

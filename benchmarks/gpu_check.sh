@@ -23,7 +23,9 @@
 # The engine benchmark needs a checkpoint. In order: $AIE_MODEL_DIR; the course model when
 # `aie fetch-model` put it in data/models/; else a checkpoint of random weights built in a
 # scratch folder from the config.json, tokenizer.json and tokenizer_config.json found in
-# $GPU_CHECK_MODEL_FILES (default .gpu-check-model/), with the tests' random-weight scheme
+# $GPU_CHECK_MODEL_FILES (default .gpu-check-model/, git-ignored: copy those three files there from
+# data/models/smollm2-135m-instruct/ before sending the tree to a GPU machine without the model),
+# with the tests' random-weight scheme
 # (tests/conftest.py). Random weights are the course model's shapes and dtype, so its speeds are
 # the same; its tokens mean nothing (the benchmark only compares the two engines' tokens).
 #

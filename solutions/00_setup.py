@@ -42,9 +42,9 @@
 # Triton, used in stage 05, needs Linux; on a machine without a GPU it runs in an interpreter.
 # The vendor and the *bf16 arithmetic* and *int8 arithmetic* lines matter too. AMD's Zen 4
 # multiplies bf16 with AVX-512 BF16 and int8 with AVX-512 VNNI; recent Intel Xeons (Sapphire
-# Rapids on) also have AMX tiles for both. An AVX2-only CPU — AMD Zen 3, most laptops before
-# 2022 — has none of them: there a bf16 matrix product takes a fallback path up to a hundred
-# times slower than fp32 (stage 09 measures the cliff on your machine), so whether bf16 saves
+# Rapids on) also have AMX tiles for both. An AVX2-only CPU, such as AMD Zen 3, has none of
+# them: there a bf16 matrix product takes a fallback path many times slower than fp32 (stage 09
+# measures the cliff on your machine), so whether bf16 saves
 # time depends on these lines, and later stages say which case they measured. `torch cpu
 # kernels` is what PyTorch chose to run on (AVX512, AVX2, ...). Each kernel also sums in its own
 # order, so low-precision results differ slightly from one machine to the next, and fp32 ones

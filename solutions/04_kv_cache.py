@@ -828,8 +828,8 @@ decode_speed: dict[str, list[float]] = {name: [] for name in speed_models}
 prompt = torch.tensor([text_ids[:prompt_tokens]])
 cell_start = time.perf_counter()
 with torch.inference_mode():
-    # Rounds until max_rounds or budget_s: without bf16 instructions one bf16 prefill can take
-    # tens of seconds, and one round then says enough.
+    # Rounds until max_rounds or budget_s: without bf16 instructions a bf16 prefill is several
+    # times slower than fp32's, and fewer rounds then say enough.
     while len(prefill_speed["fp32"]) < max_rounds and (not prefill_speed["fp32"] or
                                                        time.perf_counter() - cell_start < budget_s):
         for name, variant in speed_models.items():
@@ -871,16 +871,17 @@ del bf16_variants, speed_models
 # decides it:
 #
 # - **Prefill with bf16 activations.** A CPU with bf16 matrix instructions (AMX, AVX-512 BF16:
-#   recent Xeons, AMD Zen 4) runs it faster than fp32. A CPU without them (AVX2 only: AMD Zen 3,
-#   most laptops before 2022) multiplies bf16 in a fallback path, several times *slower* than
-#   fp32. fp32 activations pay fp32 arithmetic plus the conversion of every weight block.
-# - **Eager decode with bf16 weights.** At one token each `F.linear` reads half the bytes but
-#   converts what it reads (to fp32, or through a bf16 path that is slow without bf16
-#   instructions), so the eager step does not turn the halved bytes into speed: on the CPUs the
-#   course was tested on it ran at best about as fast as fp32, and slower on some (the last
-#   line above says by how much here). The bytes pay
-#   off in stage 09's compiled decoder, which reads bf16 and computes in fp32 in one loop: its
-#   ladder measures what they buy.
+#   recent Xeons, AMD Zen 4) runs it faster than fp32. A CPU without them (AVX2 only, such as
+#   AMD Zen 3) multiplies bf16 in a fallback path, *slower* than fp32. fp32 activations pay fp32
+#   arithmetic plus the conversion of every weight block.
+# - **Eager decode with bf16 weights.** At one token each `F.linear` reads half the bytes, but
+#   with fp32 activations it converts what it reads to fp32 first, and with bf16 activations it
+#   multiplies in bf16, fast only with bf16 instructions. Whether the eager step turns the halved
+#   bytes into speed therefore depends on the CPU — on the machines the course was tested on it
+#   went both ways, from a quarter slower to two fifths faster than fp32, and even between two runs
+#   on one machine — so the last lines above are this CPU's answer, not a rule. The bytes pay
+#   off reliably in stage 09's compiled decoder, which reads bf16 and computes in fp32 in one
+#   loop: its ladder measures what they buy.
 #
 # So the course keeps **fp32 activations** as the default: on real text they had several times
 # fewer positions with a different best token than bf16 activations, and a far smaller KL

@@ -756,7 +756,8 @@ for path in paths:
 # a library call that wants float weights.
 #
 # But the kernels are matrix–*vector* kernels: their time grows with every row, while a bf16
-# matmul's barely moves at first. Where do the lines cross? `QuantizedLinear` uses the kernels
+# matmul's barely moves at first on a CPU with bf16 instructions (AVX-512 BF16, AMX; without
+# them, as on an AVX2-only CPU, it grows with every row too). Where do the lines cross? `QuantizedLinear` uses the kernels
 # up to `KERNEL_MAX_ROWS` rows — the decode batches of stage 06's default engine (16 requests);
 # longer steps, such as a prefill, take the plain path. The chart shows whether that suits your
 # machine.
@@ -894,9 +895,10 @@ plt.show()
 # * At batch 1, `int8` against `int8, plain path` is the kernels' whole effect: the same bytes
 #   and the same bf16 arithmetic, the integers read as they are or rebuilt as floats. `int4-g32`
 #   reads fewer bytes still, through its own kernel.
-# * bf16 weights read half of fp32's bytes, yet one row at a time they are no faster here: a
-#   byte only pays if the kernel that reads it runs at memory speed, and PyTorch's bf16
-#   matrix–vector product on a CPU often does not (stage 04 measured the same).
+# * bf16 weights read half of fp32's bytes, but whether that makes one row at a time faster
+#   depends on the CPU (compare the two rows; stage 04 found it going both ways): a byte only
+#   pays if the kernel that reads it runs at memory speed, and PyTorch's bf16 matrix–vector
+#   product runs there only on some CPUs.
 # * The quantized head reads far fewer bytes (the MiB column), but on the plain path it saves no
 #   time.
 # * Every variant stays far below its roofline, the quantized ones furthest: at one byte per

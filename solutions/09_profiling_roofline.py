@@ -89,8 +89,8 @@ config = model.config
 # The best of a few runs is the ceiling: the machine reached it, so it can. The matrices' size
 # is not fixed, because the same product takes 0.01 s on one CPU and seconds on another: a CPU
 # with bf16 or int8 dot-product instructions (AVX-512 BF16, AMX, VNNI) multiplies those types
-# at or above fp32's speed, while one without them (an AVX2-only AMD Zen 3, most laptops before
-# 2022) takes a fallback path up to a hundred times slower. So the probe **sizes itself**: it
+# at or above fp32's speed, while one without them (an AVX2-only CPU such as AMD Zen 3) takes a
+# fallback path many times slower. So the probe **sizes itself**: it
 # doubles the side from 64 until one product takes a tenth of a second (2048 at most), and
 # measures there. A slow path still gets measured, on small matrices, so you see the cliff
 # without waiting minutes for it. `aie env` (and stage 00) names the instructions your CPU has.
@@ -142,13 +142,16 @@ class Peak(NamedTuple):
 
 def square_product(dtype: torch.dtype, size: int, device: torch.device | str = "cpu") -> Callable[[], object]:
     """A ``size``-square matrix product in ``dtype``, ready to call: ``torch._int_mm`` for
-    ``torch.int8`` (int8 in, int32 out), ``@`` otherwise."""
+    ``torch.int8`` (int8 in, int32 out), ``F.linear`` otherwise."""
     if dtype == torch.int8:
         a = torch.randint(-128, 128, (size, size), dtype=torch.int8, device=device)
         b = torch.randint(-128, 128, (size, size), dtype=torch.int8, device=device)
         return lambda: torch._int_mm(a, b)
-    a, b = (torch.randn(size, size, dtype=dtype, device=device) for _ in range(2))
-    return lambda: a @ b
+    x, weight = (torch.randn(size, size, dtype=dtype, device=device) for _ in range(2))
+    # F.linear, the model's own layout (weight rows are output features): without bf16
+    # instructions, PyTorch's fallback for `a @ b` is several times slower still, so a peak
+    # measured that way would sit below what the model's products reach.
+    return lambda: torch.nn.functional.linear(x, weight)
 
 
 def matmul_throughput(dtype: torch.dtype, size: int | None = None, repeats: int = 5,
@@ -159,7 +162,8 @@ def matmul_throughput(dtype: torch.dtype, size: int | None = None, repeats: int 
     Without ``size`` the probe sizes itself: it doubles the side from 64 until one product (its
     second call, past any first-call set-up) takes ``seconds``, or the side reaches ``max_size``.
     Small matrices under-use a fast unit, so a fast path grows to a size that shows its peak;
-    a slow path stops early, so its probe stays short on every CPU.
+    a slow path stops early, so its probe stays short on every CPU: about (repeats + 3) products
+    of ``seconds`` each at the size it stops at, plus the smaller ones before it.
     """
     if size is None:
         size = 64
@@ -188,9 +192,10 @@ for name, (peak, size) in measured_peaks.items():
           f" → ridge at {peak / ceilings['read']:5.1f} operations per byte read")
 cpu = cpu_facts()
 for name, units in (("bf16", bf16_line(cpu)), ("int8", int8_line(cpu))):
-    ratio = peaks[name] / peaks["fp32"]
-    verdict = "a fallback path, measured small to stay short" if ratio < 0.5 else "a fast path"
-    print(f"{name}: {ratio:.2f}× fp32's speed — {verdict}; this CPU's {name} instructions: {units}")
+    stopped = measured_peaks[name].size < measured_peaks["fp32"].size
+    print(f"{name}: {peaks[name] / peaks['fp32']:.2f}× fp32's speed"
+          f"{' (measured smaller: its products reached a tenth of a second sooner)' if stopped else ''}; "
+          f"this CPU's {name} instructions: {units}")
 
 # %% [markdown]
 # The **ridge point** of each precision is printed last: a step needs at least that many
@@ -314,7 +319,9 @@ for batch, context in ((1, 64), (4, 200)):
 
 # %% [markdown]
 # Now the prediction. At batch 1 a step does about 2 FLOPs per weight it reads — 0.5 FLOPs per
-# byte in fp32 — far left of every ridge. Each request added to the batch adds its FLOPs but
+# byte in fp32 — left of the ridges a CPU with fast units has (section 1 printed yours: a CPU
+# without bf16 or int8 instructions has such a low peak for them that even batch 1 can sit
+# right of their ridge). Each request added to the batch adds its FLOPs but
 # reads the same weights, so the intensity grows almost in proportion to the batch — until the
 # requests' own caches, which grow with the batch too, take over the bytes. Then the intensity
 # levels off at one request's FLOPs over one request's cache bytes, whatever the batch, and a
@@ -564,7 +571,7 @@ plt.show()
 # %% [markdown]
 # Read the two panels with the table's last column, the share of a step's bytes that moves
 # through memory-bound operators. In a decode step the products slide right with the batch but
-# start far left of every ridge. A prefill gives each weight 128 tokens per request, and its
+# start far left of every ridge of a fast unit. A prefill gives each weight 128 tokens per request, and its
 # products climb toward the roof — while the elementwise operators stay where they were, at
 # about one operation per element, memory-bound at any batch. That is why fusing them into the
 # products' loops (section 5) matters, and matters more the faster the products get.
@@ -1754,8 +1761,8 @@ checks.stage09.check_pad_rows(pad_rows)
 # than the ladder's broadcast-and-sum, which would read the weights once per row. With bf16
 # weights the product's inputs are rounded to bf16 and multiplied in bf16, accumulating in fp32:
 # by the CPU's bf16 units where it has them (AMX, or AVX-512 BF16), and then faster than the
-# eager engine, which converts each weight row to fp32 first; by a far slower fallback path where
-# it has none (AVX2 only: section 1's bf16 line says which). Either way it is not the same
+# eager engine, which converts each weight row to fp32 first; by a fallback path whose time grows
+# with every row where it has none (AVX2 only: section 1's bf16 line says which). Either way it is not the same
 # arithmetic as the eager engine's: the cells below measure both.
 
 # %%
@@ -2056,7 +2063,8 @@ for weights, weights_model in (("fp32", model), ("bf16", bf16_model)):
         flops = sum(2 * rows * w.numel() for w in step_matrices)
         roof = max(flops / peaks[weights], step_bytes / ceilings["read"])
         print(f"{weights}, {rows:>2} row{'s' * (rows > 1)}: the products alone take {products_time[weights, rows] * 1e3:5.1f} ms, "
-              f"{roof / products_time[weights, rows]:4.0%} of their roofline")
+              f"{roof / products_time[weights, rows]:4.0%} of their roofline"
+              + (" (above it: these products beat section 1's square-matrix peak)" if roof > products_time[weights, rows] else ""))
     del step_matrices
 for weights in ("fp32", "bf16"):
     print(f"{weights}: the products of {rows16} rows take {products_time[weights, rows16] / products_time[weights, 1]:.1f}x "
@@ -2079,7 +2087,7 @@ print(f"fp32, {rows16} running: the eager step takes {eager16 * 1e3:.1f} ms, the
 # the weights faster than a library call for a single row.)
 #
 # Eager, the engine converts each bf16 weight row to fp32 before the product (stage 04's
-# `Linear`) — a slow baseline, slower than fp32 at few rows; compiled, the activations are
+# `Linear`) — a baseline whose speed against fp32 depends on the CPU; compiled, the activations are
 # rounded to bf16 instead. So the tokens may differ, and each step is checked instead:
 # `compared_steps` runs every decode step of the compiled bf16 engine both ways on the same
 # cache, and stage 04's `agreement` compares the logits.
@@ -2350,7 +2358,8 @@ else:
 #   (`fast_decode`: `FastDecoder`, `QuantizedFastDecoder`).
 # * The engine's decode step compiled per batch-size bucket, padding rows kept harmless by a
 #   scratch block (your `pad_rows`, 9.3): in fp32 the thin products of 16 rows are most of the
-#   step, so compiling gains little; in bf16 the products run on the bf16 units
+#   step, so compiling gains little; in bf16 the products run on the bf16 units where the CPU
+#   has them, and slower with every row where it has none
 #   (`engine.compiled_runner`: `CompiledPagedRunner`, `compiled_engine`).
 # * On a GPU the same probes and the kernels of stages 05 and 07 against PyTorch's SDPA
 #   (`gpu_kernels`).

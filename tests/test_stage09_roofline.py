@@ -86,6 +86,16 @@ def test_the_probes_measure_something():
         assert peak.size == 128 and peak.per_second > 1e6
 
 
+def test_the_real_probe_stays_short_whatever_the_cpu():
+    """Unmocked: bf16 (the slowest path on a CPU without bf16 instructions) sized to 20 ms."""
+    import time
+
+    start = time.perf_counter()
+    peak = matmul_throughput(torch.bfloat16, seconds=0.02, repeats=1)
+    assert 64 <= peak.size <= 2048 and peak.per_second > 0
+    assert time.perf_counter() - start < 10, "the probe did not stop growing at its time"
+
+
 def test_the_matmul_probe_sizes_itself_to_the_time_it_is_given(monkeypatch):
     """It grows the matrices until one product takes ``seconds`` (a slow path stops small, so the
     probe stays short on a CPU without bf16 instructions), and stops at ``max_size``."""

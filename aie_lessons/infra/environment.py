@@ -20,14 +20,14 @@ from aie_lessons.infra.paths import default_model_dir
 
 # CPU features that decide which fast paths PyTorch's CPU kernels can take, by the names Linux
 # gives them in /proc/cpuinfo (x86 "flags", Arm "Features").
-CPU_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "avx_vnni", "avx512_fp16",
+CPU_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "avx_vnni", "avx_vnni_int8", "avx512_fp16",
              "amx_tile", "amx_bf16", "amx_int8", "asimd", "asimddp", "bf16", "i8mm", "sve")
 # Which instructions multiply bf16 here. Each family rounds and sums bf16 products in its own
 # order, so bf16 results (and speed) differ between, say, AMD Zen 4 and Intel Xeon with AMX.
 BF16_UNITS = (("amx_bf16", "AMX-BF16 tiles"), ("avx512_bf16", "AVX-512 BF16"), ("bf16", "Arm BF16"))
 # Which instructions multiply int8 by int8 and sum into int32 (what `torch._int_mm` wants).
 INT8_UNITS = (("amx_int8", "AMX-INT8 tiles"), ("avx512_vnni", "AVX-512 VNNI"), ("avx_vnni", "AVX-VNNI"),
-              ("i8mm", "Arm I8MM"), ("asimddp", "Arm dot product"))
+              ("avx_vnni_int8", "AVX-VNNI-INT8"), ("i8mm", "Arm I8MM"), ("asimddp", "Arm dot product"))
 # macOS has no /proc/cpuinfo: `sysctl hw.optional` names the same Arm features differently.
 DARWIN_FEATURES = {"hw.optional.arm.FEAT_BF16": "bf16", "hw.optional.arm.FEAT_I8MM": "i8mm",
                    "hw.optional.arm.FEAT_DotProd": "asimddp", "hw.optional.neon": "asimd"}
@@ -57,14 +57,27 @@ def parse_cpuinfo(text: str) -> dict[str, object]:
     return facts
 
 
-def _darwin_features() -> list[str]:
-    """The Arm features a Mac reports, asked of ``sysctl`` (time-boxed: it answers at once)."""
-    try:
-        text = subprocess.run(["sysctl", *DARWIN_FEATURES], capture_output=True, text=True, timeout=5).stdout
-    except (OSError, subprocess.TimeoutExpired):
-        return []
-    present = {line.split(":")[0].strip() for line in text.splitlines() if line.rstrip().endswith(": 1")}
+def parse_darwin_sysctl(text: str) -> list[str]:
+    """The flags of ``CPU_FLAGS`` that ``sysctl hw.optional...`` output reports as present (1)."""
+    present = set()
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if value.strip() == "1":
+            present.add(key.strip())
     return [flag for key, flag in DARWIN_FEATURES.items() if key in present]
+
+
+def _darwin_features() -> list[str] | None:
+    """The Arm features an Apple Silicon Mac reports, asked of ``sysctl`` (time-boxed: it answers
+    at once); None when it cannot say (an Intel Mac, or sysctl failing), so that the report says
+    "unknown" rather than "none"."""
+    if platform.machine() != "arm64":
+        return None
+    try:
+        out = subprocess.run(["sysctl", *DARWIN_FEATURES], capture_output=True, text=True, timeout=5)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return parse_darwin_sysctl(out.stdout) if out.stdout else None
 
 
 def cpu_facts() -> dict[str, object]:
@@ -72,8 +85,8 @@ def cpu_facts() -> dict[str, object]:
     cpuinfo = Path("/proc/cpuinfo")
     if cpuinfo.exists():
         facts |= parse_cpuinfo(cpuinfo.read_text())
-    elif sys.platform == "darwin":
-        facts["features"] = _darwin_features()
+    elif sys.platform == "darwin" and (features := _darwin_features()) is not None:
+        facts["features"] = features
     meminfo = Path("/proc/meminfo")
     if meminfo.exists():
         total_kib = int(meminfo.read_text().split("MemTotal:")[1].split()[0])
@@ -89,9 +102,14 @@ def units_line(cpu: dict[str, object], units: tuple[tuple[str, str], ...], missi
 
 
 def bf16_line(cpu: dict[str, object]) -> str:
-    """Which instructions multiply bf16 here."""
-    return units_line(cpu, BF16_UNITS, "none: bf16 matrix products take a slow fallback path here; "
-                                       "bf16 still halves the bytes (stage 04 measures what that buys)")
+    """Which instructions multiply bf16 here. Without bf16 units, AVX-512 still lets oneDNN
+    convert bf16 to fp32 on the fly at a fraction of fp32's speed; with AVX2 alone, products take
+    a fallback path that is many times slower (stage 09 measures which)."""
+    if "avx512f" in cpu.get("features", ()):
+        missing = "none: oneDNN converts bf16 with AVX-512, below fp32's speed"
+    else:
+        missing = "none: bf16 matrix products take a fallback path, many times slower than fp32"
+    return units_line(cpu, BF16_UNITS, missing + "; bf16 still halves the bytes (stage 04 measures what that buys)")
 
 
 def int8_line(cpu: dict[str, object]) -> str:
@@ -107,10 +125,15 @@ def torch_kernels_line() -> str:
     import torch
 
     capability = torch.backends.cpu.get_cpu_capability()
-    if platform.machine().lower() in ("x86_64", "amd64"):
-        native = torch.ops.mkldnn._is_mkldnn_bf16_supported()
-        return f"{capability}; oneDNN bf16 matrix products: {'native' if native else 'not available'}"
-    return capability
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return capability
+    if not torch.backends.mkldnn.is_available():
+        return f"{capability}; oneDNN: not in this torch build (bf16 products take the fallback path)"
+    try:
+        supported = torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    except (AttributeError, RuntimeError):  # a private op: a torch version may rename it
+        return f"{capability}; oneDNN bf16 matrix products: unknown to this torch version"
+    return f"{capability}; oneDNN bf16 matrix products: {'supported' if supported else 'not supported (fallback path)'}"
 
 
 def triton_status() -> tuple[bool, str]:
