@@ -12,6 +12,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from aie_lessons.infra.compile_cache import INDUCTOR_CACHE_ENV, cache_folder
 from aie_lessons.infra.paths import CACHE_DIR, DEFAULT_MODEL_NAME, MODELS_DIR
 
 # Without a GPU, Triton can only interpret. Choose that before any test file, torch.compile or
@@ -22,9 +23,11 @@ if not torch.cuda.is_available():
 # `aie generate` points inductor's cache at data/cache/inductor (stage 09's compiled decoder, its
 # ahead-of-time packages in aot/), which a fresh clone has empty. The CLI's subprocesses here share
 # the machine's default cache instead, as every in-process compile does, so that CI does not compile
-# each graph again; a test of the cache folder itself sets its own.
-os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR",
-                      os.path.join(tempfile.gettempdir(), "torchinductor_" + getpass.getuser()))  # inductor's default
+# each graph again; a test of the cache folder itself sets its own. A run that lowers the vector
+# instructions (ATEN_CPU_CAPABILITY=avx2, to stand in for an AVX2-only CPU) gets a subfolder, so that
+# it never hands its code to a later run without that variable (compile_cache.cache_folder).
+os.environ.setdefault(INDUCTOR_CACHE_ENV, str(cache_folder(
+    Path(tempfile.gettempdir()) / ("torchinductor_" + getpass.getuser()))))  # inductor's default
 
 CHATML_TEMPLATE = (
     "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content']"

@@ -40,7 +40,7 @@ from typing import Any, Callable
 import torch
 
 from aie_lessons.fast_decode import FastDecoder, decode_head, decode_layers
-from aie_lessons.infra.compile_cache import INDUCTOR_CACHE, INDUCTOR_CACHE_ENV
+from aie_lessons.infra.compile_cache import INDUCTOR_CACHE, INDUCTOR_CACHE_ENV, cache_folder
 
 # The modules whose code ends up inside the compiled step: a change to any must compile anew.
 STEP_SOURCES = ("aie_lessons.fast_decode", "aie_lessons.model", "aie_lessons.quantize", __name__)
@@ -52,7 +52,7 @@ SIZES = ("position", "cos")
 
 def aot_folder() -> Path:
     """Where the packages are kept: ``aot`` in inductor's cache folder (``compile_cache``)."""
-    return Path(os.environ.get(INDUCTOR_CACHE_ENV, INDUCTOR_CACHE)) / "aot"
+    return Path(os.environ.get(INDUCTOR_CACHE_ENV) or cache_folder(INDUCTOR_CACHE)) / "aot"
 
 
 def _fields(value: Any) -> list[str]:
