@@ -38,8 +38,8 @@ from aie_lessons.engine.paged_engine import paged_engine  # noqa: E402
 from aie_lessons.engine.workload import mixed_workload, run_workload  # noqa: E402
 from aie_lessons.infra.paths import default_model_dir  # noqa: E402
 from aie_lessons.model import LlamaModel  # noqa: E402
-from aie_lessons.server.load_test import Objective, knee, run_load  # noqa: E402
-from aie_lessons.server.process import ServerProcess, wait_until  # noqa: E402
+from aie_lessons.harness.load_test import Objective, knee, run_load  # noqa: E402
+from aie_lessons.harness.server_process import ServerProcess, wait_until  # noqa: E402
 from aie_lessons.tokenizer import Tokenizer  # noqa: E402
 
 COLUMNS = ("offered req/s", "req/s", "tok/s", "TTFT p50 s", "TTFT p99 s", "TPOT p50 ms", "TPOT p99 ms", "ITL p99 ms",

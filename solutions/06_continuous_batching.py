@@ -807,7 +807,6 @@ import operator
 import time
 import warnings
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
@@ -843,28 +842,18 @@ checks.stage06.check_postprocess(postprocess, Scheduler, SchedulerConfig, Schedu
 # %% [markdown]
 # Each step records a `StepStats`: the seconds of each phase (wall-clock, for the Python
 # overhead), what ran, and the engine's clock before and after (simulated time in section 6).
-# Bad input is refused in `add_request`, before anything changes, with an error that names the
-# fix; nothing else in the batch notices.
+# The engine keeps them in a `StepLog`, a ring of the latest steps: a server steps millions of
+# times, and a record that only grows would, in the end, take all its memory.
 
 # %%
-# export: engine.engine
-class Runner(Protocol):
-    """The engine's view of a runner: the real model (``ModelRunner``) or a script (the simulator)."""
+# export: engine.step_log
+"""What each engine step did and how long its phases took, kept in a bounded ring."""
 
-    config: Any  # the model's config: vocab_size, max_position_embeddings
-    device: torch.device | str
-    allocator: KVAllocator
+from __future__ import annotations
 
-    def prepare(self, schedule: Schedule) -> Any: ...  # the step's inputs, built from the schedule
-
-    def run(self, batch: Any) -> torch.Tensor: ...  # logits (K, vocab), fp32: one row per sampling chunk
-
-
-class UnknownRequestError(KeyError):
-    """``abort`` was given an id the engine never saw."""
-
-    def __str__(self) -> str:  # KeyError would print the message in quotes
-        return str(self.args[0])
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 
 
 @dataclass
@@ -897,13 +886,91 @@ class StepStats:
         return self.overhead_s + self.run_s
 
 
+class StepLog:
+    """The latest ``capacity`` steps' ``StepStats``, under their own step numbers.
+
+    ``log[i]`` is step ``i`` and ``len(log)`` counts every step ever run, kept or not, so that
+    ``log[first:]``, with ``first = len(log)`` read before a run, is what the run did. Asking for
+    a step that has left the ring — by index, slice or iterating over the whole log — is an
+    error, never a silently shorter answer; ``kept()`` is the explicit "whatever is left".
+    Written by the engine's thread only.
+    """
+
+    def __init__(self, capacity: int = 10_000):
+        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
+            raise ValueError(f"capacity={capacity!r}: the log keeps at least one step (an int ≥ 1)")
+        self._kept: deque[StepStats] = deque(maxlen=capacity)
+        self._count = 0
+
+    @property
+    def capacity(self) -> int:
+        return self._kept.maxlen or 0
+
+    @property
+    def first_kept(self) -> int:
+        """The number of the oldest step still in the ring."""
+        return self._count - len(self._kept)
+
+    def append(self, stats: StepStats) -> None:
+        self._kept.append(stats)
+        self._count += 1
+
+    def __len__(self) -> int:
+        return self._count
+
+    def __iter__(self) -> Iterator[StepStats]:
+        """Every step, oldest first: refused once the first have left the ring (see ``kept``)."""
+        return iter(self[0:])
+
+    def kept(self) -> list[StepStats]:
+        """The steps still in the ring, oldest first."""
+        return list(self._kept)
+
+    def __getitem__(self, index: int | slice) -> StepStats | list[StepStats]:
+        steps = range(self._count)[index]  # an int for an index (IndexError past the end), a range for a slice
+        oldest = steps if isinstance(steps, int) else min(steps, default=self.first_kept)
+        if oldest < self.first_kept:
+            raise IndexError(f"step {oldest} has left the log, which keeps the last {self.capacity} steps "
+                             f"({self.first_kept}–{self._count - 1}). Fix: read the stats while the steps run, "
+                             "read log.kept(), or build the engine with a larger stats_capacity")
+        if isinstance(steps, int):
+            return self._kept[steps - self.first_kept]
+        kept = list(self._kept)
+        return [kept[i - self.first_kept] for i in steps]
+
+
+# %% [markdown]
+# Bad input is refused in `add_request`, before anything changes, with an error that names the
+# fix; nothing else in the batch notices.
+
+# %%
+# export: engine.engine
+class Runner(Protocol):
+    """The engine's view of a runner: the real model (``ModelRunner``) or a script (the simulator)."""
+
+    config: Any  # the model's config: vocab_size, max_position_embeddings
+    device: torch.device | str
+    allocator: KVAllocator
+
+    def prepare(self, schedule: Schedule) -> Any: ...  # the step's inputs, built from the schedule
+
+    def run(self, batch: Any) -> torch.Tensor: ...  # logits (K, vocab), fp32: one row per sampling chunk
+
+
+class UnknownRequestError(KeyError):
+    """``abort`` was given an id the engine never saw."""
+
+    def __str__(self) -> str:  # KeyError would print the message in quotes
+        return str(self.args[0])
+
+
 class Engine:
     """Continuous batching over a runner (the real model, or the simulator's scripted one)."""
 
     def __init__(self, runner: Runner, tokenizer: Tokenizer, stop_ids: set[int],
                  config: SchedulerConfig = SchedulerConfig(),
                  clock: Callable[[], float] = time.perf_counter,
-                 scheduler_class: type[Scheduler] = Scheduler):
+                 scheduler_class: type[Scheduler] = Scheduler, stats_capacity: int = 10_000):
         self.runner = runner
         self.tokenizer = tokenizer
         self.stop_ids = stop_ids
@@ -912,7 +979,7 @@ class Engine:
         self.scheduler = scheduler_class(config, runner.allocator, clock)
         self.sampler = Sampler(runner.device)
         self.requests: dict[str, Request] = {}
-        self.stats: list[StepStats] = []
+        self.stats = StepLog(stats_capacity)  # the latest steps' StepStats
         self._seq = itertools.count()
         self._stepping = False
         self._ends: list[tuple[Request, str]] = []  # ends asked for during a step, applied after it
@@ -921,10 +988,11 @@ class Engine:
     def from_model(cls, model: LlamaModel, tokenizer: Tokenizer, max_seqs: int = 16, token_budget: int = 256,
                    max_len: int = 1024, aging_rate: float = 1.0, static: bool = False,
                    attention: str = "sdpa", kv_dtype: torch.dtype | None = None,
-                   clock: Callable[[], float] = time.perf_counter) -> "Engine":
+                   clock: Callable[[], float] = time.perf_counter, stats_capacity: int = 10_000) -> "Engine":
         config = SchedulerConfig(max_seqs, token_budget, aging_rate, static)
         runner = ModelRunner(model, max_seqs, max_len, attention, kv_dtype)
-        return cls(runner, tokenizer, stop_token_ids(model.config, tokenizer), config, clock)
+        return cls(runner, tokenizer, stop_token_ids(model.config, tokenizer), config, clock,
+                   stats_capacity=stats_capacity)
 
     def check_request(self, prompt: str | Sequence[int], params: SamplingParams) -> list[int]:
         """The prompt's token ids, once it is known that the engine can run it: refused otherwise."""

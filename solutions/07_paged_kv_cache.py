@@ -1604,15 +1604,18 @@ import torch
 def paged_engine(model: LlamaModel, tokenizer: Tokenizer, max_seqs: int = 64, token_budget: int = 256,
                  kv_bytes: int | None = None, block_size: int = 16, prefix_caching: bool = True,
                  aging_rate: float = 1.0, attention: str = "sdpa", kv_dtype: torch.dtype | None = None,
-                 decode: str = "auto", clock: Callable[[], float] = time.perf_counter) -> Engine:
+                 decode: str = "auto", clock: Callable[[], float] = time.perf_counter,
+                 stats_capacity: int = 10_000) -> Engine:
     """Continuous batching over blocks. ``kv_bytes``: the pool's memory (default: what 16 slots of
-    1024 tokens take, stage 06's default engine); ``max_seqs``: the most requests running at once."""
+    1024 tokens take, stage 06's default engine); ``max_seqs``: the most requests running at once;
+    ``stats_capacity``: how many of the latest steps' ``StepStats`` the engine keeps."""
     dtype = kv_dtype or model.embed_tokens.weight.dtype
     kv_bytes = slot_pool_bytes(model.config, 16, 1024, block_size, dtype) if kv_bytes is None else kv_bytes
     num_blocks = blocks_for_budget(model.config, kv_bytes, block_size, dtype)
     runner = PagedModelRunner(model, num_blocks, block_size, attention, dtype, prefix_caching, decode)
     config = SchedulerConfig(max_seqs, token_budget, aging_rate)
-    return Engine(runner, tokenizer, stop_token_ids(model.config, tokenizer), config, clock, PagedScheduler)
+    return Engine(runner, tokenizer, stop_token_ids(model.config, tokenizer), config, clock, PagedScheduler,
+                  stats_capacity)
 
 # %% [markdown]
 # ## 6. The paged engine against the slot cache and stage 04

@@ -729,7 +729,7 @@ def profiled_engine_step(running: int):
     prompt = tokenizer.encode("The history of computing is a story of people and machines.")
     for _ in range(running):
         engine.add_request(prompt, SamplingParams(max_new_tokens=64, ignore_eos=True))
-    while engine.stats == [] or engine.stats[-1].prefill_tokens or engine.stats[-1].decode_rows < running:
+    while not engine.stats or engine.stats[-1].prefill_tokens or engine.stats[-1].decode_rows < running:
         engine.step()
     for _ in range(2):  # the first profiled step pays the profiler's own start-up: keep the second
         with profile(activities=[ProfilerActivity.CPU]) as engine_profile:
@@ -1948,7 +1948,7 @@ def compiled_engine(model: LlamaModel, tokenizer: Tokenizer, max_seqs: int = 64,
                     kv_bytes: int | None = None, block_size: int = 16, prefix_caching: bool = True,
                     aging_rate: float = 1.0, attention: str = "sdpa", kv_dtype: torch.dtype | None = None,
                     clock: Callable[[], float] = time.perf_counter, compile: bool = True,
-                    buckets: tuple[int, ...] = BATCH_BUCKETS) -> Engine:
+                    buckets: tuple[int, ...] = BATCH_BUCKETS, stats_capacity: int = 10_000) -> Engine:
     """Stage 07's ``paged_engine`` with a ``CompiledPagedRunner``: the same arguments, scheduler,
     sampler and KV budget (the scratch block comes on top of ``kv_bytes``). The step is compiled
     for the ``buckets`` below ``max_seqs`` and for ``max_seqs`` itself, the largest batch it gets."""
@@ -1958,7 +1958,8 @@ def compiled_engine(model: LlamaModel, tokenizer: Tokenizer, max_seqs: int = 64,
                                  attention, kv_dtype, prefix_caching, compile,
                                  buckets=tuple(b for b in buckets if b < max_seqs) + (max_seqs,))
     config = SchedulerConfig(max_seqs, token_budget, aging_rate)
-    return Engine(runner, tokenizer, stop_token_ids(model.config, tokenizer), config, clock, PagedScheduler)
+    return Engine(runner, tokenizer, stop_token_ids(model.config, tokenizer), config, clock, PagedScheduler,
+                  stats_capacity)
 
 
 # %% [markdown]

@@ -150,9 +150,20 @@ class TokenQueue:
         self.loop = loop
         self.queue: asyncio.Queue[Event] = asyncio.Queue()
 
-    def put(self, event: Event) -> None:
-        """Called on the engine thread: never blocks it (the queue has no bound)."""
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
+    def put(self, event: Event) -> bool:
+        """Called on the engine thread: never blocks it (the queue has no bound). False if the
+        event loop has closed — the process is exiting, and nobody is left to read the event.
+
+        Asking ``loop.is_closed()`` first and then putting would race: the loop can close in
+        between, and the put would raise on the engine thread. So the put is tried, and the one
+        error a closed loop gives is told apart from any other by asking after it."""
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
+        except RuntimeError:
+            if not self.loop.is_closed():
+                raise
+            return False
+        return True
 
     async def events(self) -> AsyncIterator[Event]:
         """The events in order, up to and including the final one."""
@@ -349,7 +360,9 @@ checks.stage10.check_admission(admission)
 # The engine thread also feeds the server's **metrics** — a `/metrics` page in Prometheus'
 # text format, which a monitoring system reads every few seconds: requests running and waiting,
 # KV blocks in use, the batch size of each step, and histograms of time to first token (TTFT),
-# inter-token latency and end-to-end latency, which give their percentiles.
+# inter-token latency and end-to-end latency, which give their percentiles. What describes an
+# engine (requests running and waiting, KV blocks) carries an `engine` label: during a hot swap
+# (section 5) two engines run side by side, and each keeps its own series until it stops.
 
 # %%
 # export: server.metrics
@@ -357,25 +370,48 @@ checks.stage10.check_admission(admission)
 
 from __future__ import annotations
 
+import threading
+from dataclasses import dataclass
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 
+@dataclass(frozen=True)
+class EngineGauges:
+    """One engine's gauges, under its own ``engine`` label."""
+
+    label: str
+    running: Gauge
+    waiting: Gauge
+    kv_used: Gauge
+    kv_total: Gauge
+    tracked: Gauge
+
+
 class ServerMetrics:
     """Gauges, counters and histograms of one server, in a registry of its own (not the process'
-    global one), so that two servers in one process — or a test's — never share a number."""
+    global one), so that two servers in one process — or a test's — never share a number.
+
+    What an engine *is* (requests running and waiting, KV blocks) is a gauge per engine, labelled
+    ``engine``: during a hot swap two engines run side by side, and one series written by both
+    would jump between their numbers. What the server *did* (tokens, latencies, refusals) is
+    counted once for the server, whichever engine did it.
+    """
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
-        self.running = Gauge("aie_requests_running", "Requests holding KV and decoding", registry=r)
-        self.waiting = Gauge("aie_requests_waiting", "Requests accepted but not yet running", registry=r)
-        self.kv_used = Gauge("aie_kv_blocks_used", "KV blocks in use", registry=r)
-        self.kv_total = Gauge("aie_kv_blocks_total", "KV blocks in the pool", registry=r)
+        self.running = Gauge("aie_requests_running", "Requests holding KV and decoding", ["engine"], registry=r)
+        self.waiting = Gauge("aie_requests_waiting", "Requests accepted but not yet running", ["engine"], registry=r)
+        self.kv_used = Gauge("aie_kv_blocks_used", "KV blocks in use", ["engine"], registry=r)
+        self.kv_total = Gauge("aie_kv_blocks_total", "KV blocks in the pool", ["engine"], registry=r)
         self.tracked = Gauge("aie_requests_tracked", "Requests the engine and the server still keep a record of: "
-                             "0 when idle, or something leaks", registry=r)
+                             "0 when idle, or something leaks", ["engine"], registry=r)
+        self._engines: dict[str, EngineGauges] = {}  # the live engines' gauges, by label
+        self._labels_lock = threading.Lock()  # engines are built on worker threads and end on their own
         self.batch = Histogram("aie_batch_size", "Sequences in each engine step", buckets=BATCH_SIZE_BUCKETS, registry=r)
         self.ttft = Histogram("aie_time_to_first_token_seconds", "Arrival to first token", buckets=LATENCY_BUCKETS_S,
                               registry=r)
@@ -391,18 +427,42 @@ class ServerMetrics:
         self.rejected = Counter("aie_requests_rejected", "Requests refused before any work, by reason", ["reason"],
                                 registry=r)
 
+    def engine_gauges(self, name: str) -> EngineGauges:
+        """The gauges of a new engine, labelled ``name`` — or ``name#2``, ``name#3``... while an
+        engine of that name is still live (a swap may load the same model again)."""
+        with self._labels_lock:
+            label, n = name, 1
+            while label in self._engines:
+                n += 1
+                label = f"{name}#{n}"
+            gauges = EngineGauges(label, *(gauge.labels(label) for gauge in self._engine_series()))
+            self._engines[label] = gauges
+        return gauges
+
+    def forget_engine(self, gauges: EngineGauges) -> None:
+        """An engine has ended: its series leave ``/metrics`` (a stopped engine has no state)."""
+        with self._labels_lock:
+            if self._engines.get(gauges.label) is not gauges:  # forgotten already (the label may be another's now)
+                return
+            del self._engines[gauges.label]
+            for gauge in self._engine_series():
+                gauge.remove(gauges.label)
+
+    def _engine_series(self) -> tuple[Gauge, ...]:
+        return self.running, self.waiting, self.kv_used, self.kv_total, self.tracked
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
 
 def metric_value(text: str, name: str, labels: str = "") -> float | None:
-    """One sample's value read back from ``/metrics`` text (``labels`` as written there, e.g.
-    ``'finish_reason="abort"'``), None if absent: what the tests and the notebook read."""
-    wanted = f"{name}{{{labels}}}" if labels else name
-    for line in text.splitlines():
-        if line.startswith(wanted + " "):
-            return float(line.split()[-1])
-    return None
+    """A sample's value read back from ``/metrics`` text, None if absent: what the tests and the
+    notebook read. With ``labels`` (as written there, e.g. ``'finish_reason="abort"'``) the one
+    sample that has them; without, the sum of every sample of ``name`` (all engines, all reasons)."""
+    values = [float(line.split()[-1]) for line in text.splitlines()
+              if (line.startswith(f"{name}{{{labels}}} ") if labels
+                  else line.startswith(name + " ") or line.startswith(name + "{"))]
+    return sum(values) if values else None
 
 
 # %% [markdown]
@@ -427,6 +487,7 @@ from collections.abc import Sequence
 
 from aie_lessons.engine.engine import Engine
 from aie_lessons.engine.request import Request, RequestStatus
+from aie_lessons.engine.step_log import StepStats
 from aie_lessons.sampling import SamplingParams
 
 log = logging.getLogger("aie.server")
@@ -460,6 +521,7 @@ class AsyncEngine:
         self.max_waiting = max_waiting
         self.metrics = metrics or ServerMetrics()
         self.name = name
+        self.gauges = self.metrics.engine_gauges(name)  # this engine's own series, until its thread ends
         self.admitting = True
         self.error: BaseException | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -481,7 +543,7 @@ class AsyncEngine:
 
     def start(self) -> None:
         self.loop = asyncio.get_running_loop()
-        self.metrics.kv_total.set(self.engine.runner.allocator.num_blocks)
+        self.gauges.kv_total.set(self.engine.runner.allocator.num_blocks)
         self._thread.start()
 
     def waiting(self) -> int:
@@ -548,6 +610,8 @@ class AsyncEngine:
         self._wake.set()
         if self._thread.is_alive():
             self._thread.join(timeout)
+        elif self._thread.ident is None:  # never started: no thread will forget its gauges
+            self.metrics.forget_engine(self.gauges)
 
     def _send(self, message: tuple) -> None:
         self._inbox.append(message)
@@ -562,7 +626,9 @@ class AsyncEngine:
                 self._take_inbox()
                 self._gauges()
                 if self.engine.has_work():
-                    self._deliver(self.engine.step())
+                    steps = len(self.engine.stats)
+                    finished = self.engine.step()
+                    self._deliver(finished, self.engine.stats[-1] if len(self.engine.stats) > steps else None)
                 elif self._stopping:
                     return
                 else:
@@ -575,8 +641,11 @@ class AsyncEngine:
                 self._closed = True
             end = (Event(finish_reason="error", error=f"{type(self.error).__name__}: {self.error}") if self.error
                    else Event(finish_reason="abort"))
-            for request_id in list(self._queues):
-                self._end(request_id, end)
+            try:
+                for request_id in list(self._queues):
+                    self._end(request_id, end)
+            finally:
+                self.metrics.forget_engine(self.gauges)
 
     def _take_inbox(self) -> None:
         while self._inbox:
@@ -605,11 +674,10 @@ class AsyncEngine:
         self._last_text[request_id] = now
         queue.put(Event(text=text))
 
-    def _deliver(self, finished: list[Request]) -> None:
-        """After a step: the step's metrics, then the finished requests' final events."""
+    def _deliver(self, finished: list[Request], stats: StepStats | None) -> None:
+        """After a step: its metrics (``stats``: the step's own), then the finished requests' final events."""
         metrics, requests = self.metrics, self.engine.requests
-        if self.engine.stats:
-            stats = self.engine.stats.pop()  # a server runs for weeks: keep only what the metrics need
+        if stats is not None:
             metrics.batch.observe(len(stats.chunks))
             for request_id in {chunk[0] for chunk in stats.chunks}:  # tokens sampled in this step
                 request = requests[request_id]
@@ -621,11 +689,11 @@ class AsyncEngine:
     def _gauges(self) -> None:
         """Running, waiting and KV in use, as of now: read before each step and before the thread
         sleeps, so that an abort with no step after it shows too."""
-        self.metrics.running.set(len(self.engine.scheduler.running))
-        self.metrics.waiting.set(self.waiting())
-        self.metrics.kv_used.set(self.engine.runner.allocator.used)
-        self.metrics.tracked.set(len(self.engine.requests) + len(self._queues) + len(self._last_text)
-                                 + len(self._counted))
+        self.gauges.running.set(len(self.engine.scheduler.running))
+        self.gauges.waiting.set(self.waiting())
+        self.gauges.kv_used.set(self.engine.runner.allocator.used)
+        self.gauges.tracked.set(len(self.engine.requests) + len(self._queues) + len(self._last_text)
+                                + len(self._counted))
 
     def _finished(self, request: Request) -> None:
         """A request the engine ended: its final event, its metrics, and the engine forgets it."""
@@ -647,7 +715,7 @@ class AsyncEngine:
         self._finish_times.append(time.monotonic())
         while len(self._finish_times) > 1000:
             self._finish_times.popleft()
-        if queue is not None and not self.loop.is_closed():  # a closed loop: the process is exiting
+        if queue is not None:
             queue.put(event)
 
 
@@ -1146,8 +1214,10 @@ def load_model(config: ServeConfig, metrics: ServerMetrics, model_dir: str | Pat
     tokenizer = Tokenizer.from_pretrained(folder)
     model = LlamaModel.from_pretrained(folder, dtype=getattr(torch, dtype or config.dtype))
     kv_bytes = None if config.kv_memory_mb is None else int(config.kv_memory_mb * 2**20)
+    # stats_capacity: the server reads each step's stats once, right after it; a long record of
+    # steps (and of the ids of requests long ended) would only take memory
     engine = paged_engine(model, tokenizer, max_seqs=config.max_seqs, token_budget=config.token_budget,
-                          kv_bytes=kv_bytes)
+                          kv_bytes=kv_bytes, stats_capacity=16)
     label = name or (config.model_name if model_dir is None else None) or folder.name
     return LoadedModel(AsyncEngine(engine, config.max_waiting, metrics, label), tokenizer, label, folder)
 
@@ -1622,10 +1692,11 @@ def serve(config: ServeConfig) -> int:
 # server below runs the reference code. The cells below start it as a separate process — as you
 # would from a terminal with `aie serve` — on a free port of `127.0.0.1`, and talk to it with
 # real clients. `ServerProcess` is a small helper for that: it starts the process, waits for
-# `/health` to say 200, and reads the JSON log.
+# `/health` to say 200, and reads the JSON log. It and the load test below are tools for
+# *trying* a server, not part of it: they go to `aie_lessons.harness`, apart from the server.
 
 # %%
-# export: server.process
+# export: harness.server_process
 """``aie serve`` as a child process on a free loopback port: the notebook's and the tests' server."""
 
 from __future__ import annotations
@@ -1846,7 +1917,7 @@ print("after the client left: KV blocks in use", server.metric("aie_kv_blocks_us
 # turns the curve into one number, **goodput**: the requests per second that met it.
 
 # %%
-# export: server.load_test
+# export: harness.load_test
 """A load test over HTTP: Poisson arrivals of a seeded workload, and what each client saw."""
 
 from __future__ import annotations

@@ -442,7 +442,7 @@ def test_max_new_tokens_zero_finishes_at_once_and_takes_no_slot(tiny):
     request = engine.add_request(tokenizer.encode("hello world"), SamplingParams(max_new_tokens=0))
     assert request.status is RequestStatus.FINISHED and request.finish_reason == "length"
     assert request.result.token_ids == [] and request.result.finish_reason == "length"
-    assert not engine.has_work() and engine.runner.allocator.used == 0 and engine.stats == []
+    assert not engine.has_work() and engine.runner.allocator.used == 0 and len(engine.stats) == 0
     assert engine.abort(request.id) is False  # already finished: nothing to abort
 
 

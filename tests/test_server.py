@@ -15,7 +15,7 @@ import httpx
 import openai
 import pytest
 
-from aie_lessons.server.process import ServerProcess, sse_payloads, wait_until
+from aie_lessons.harness.server_process import ServerProcess, sse_payloads, wait_until
 
 API_KEY, ADMIN_KEY = "test-api-key", "test-admin-key"
 KEYS = {"AIE_API_KEY": API_KEY, "AIE_ADMIN_KEY": ADMIN_KEY}
@@ -353,7 +353,7 @@ def test_a_thousand_requests_with_disconnects_lose_none_and_leak_nothing(tiny_di
     import psutil
 
     from aie_lessons.engine.workload import mixed_workload
-    from aie_lessons.server.load_test import run_load
+    from aie_lessons.harness.load_test import run_load
 
     server = ServerProcess(["--model", str(tiny_dir), "--max-seqs", "16", "--max-waiting", "2000"],
                            tmp_path / "server.log")

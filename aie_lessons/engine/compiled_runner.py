@@ -238,7 +238,7 @@ def compiled_engine(model: LlamaModel, tokenizer: Tokenizer, max_seqs: int = 64,
                     kv_bytes: int | None = None, block_size: int = 16, prefix_caching: bool = True,
                     aging_rate: float = 1.0, attention: str = "sdpa", kv_dtype: torch.dtype | None = None,
                     clock: Callable[[], float] = time.perf_counter, compile: bool = True,
-                    buckets: tuple[int, ...] = BATCH_BUCKETS) -> Engine:
+                    buckets: tuple[int, ...] = BATCH_BUCKETS, stats_capacity: int = 10_000) -> Engine:
     """Stage 07's ``paged_engine`` with a ``CompiledPagedRunner``: the same arguments, scheduler,
     sampler and KV budget (the scratch block comes on top of ``kv_bytes``). The step is compiled
     for the ``buckets`` below ``max_seqs`` and for ``max_seqs`` itself, the largest batch it gets."""
@@ -248,4 +248,5 @@ def compiled_engine(model: LlamaModel, tokenizer: Tokenizer, max_seqs: int = 64,
                                  attention, kv_dtype, prefix_caching, compile,
                                  buckets=tuple(b for b in buckets if b < max_seqs) + (max_seqs,))
     config = SchedulerConfig(max_seqs, token_budget, aging_rate)
-    return Engine(runner, tokenizer, stop_token_ids(model.config, tokenizer), config, clock, PagedScheduler)
+    return Engine(runner, tokenizer, stop_token_ids(model.config, tokenizer), config, clock, PagedScheduler,
+                  stats_capacity)

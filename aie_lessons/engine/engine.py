@@ -10,7 +10,6 @@ import operator
 import time
 import warnings
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
@@ -21,6 +20,7 @@ from aie_lessons.engine.request import Request, RequestMetrics, RequestStatus
 from aie_lessons.engine.runner import ModelRunner
 from aie_lessons.engine.sampler import Sampler
 from aie_lessons.engine.scheduler import KVAllocator, Schedule, Scheduler, SchedulerConfig
+from aie_lessons.engine.step_log import StepLog, StepStats
 from aie_lessons.generate import PromptError, check_prompt
 from aie_lessons.output import GenerationResult, OutputStream, stop_token_ids
 from aie_lessons.sampling import SamplingParams, SamplingParamsError, params_per_row
@@ -68,43 +68,13 @@ class UnknownRequestError(KeyError):
         return str(self.args[0])
 
 
-@dataclass
-class StepStats:
-    step: int
-    start: float  # the engine's clock before and after the step
-    end: float
-    schedule_s: float  # wall-clock seconds of each phase
-    prepare_s: float
-    run_s: float
-    sample_s: float
-    postprocess_s: float
-    prefill_tokens: int
-    decode_rows: int
-    running: int  # after the step
-    waiting: int
-    kv_used: int
-    admitted: list[str] = field(default_factory=list)
-    preempted: list[str] = field(default_factory=list)
-    chunks: list[tuple[str, int, int]] = field(default_factory=list)  # (id, start, length)
-    finished: list[str] = field(default_factory=list)
-
-    @property
-    def overhead_s(self) -> float:
-        """The engine's own Python work: everything but the model's forward pass."""
-        return self.schedule_s + self.prepare_s + self.sample_s + self.postprocess_s
-
-    @property
-    def total_s(self) -> float:
-        return self.overhead_s + self.run_s
-
-
 class Engine:
     """Continuous batching over a runner (the real model, or the simulator's scripted one)."""
 
     def __init__(self, runner: Runner, tokenizer: Tokenizer, stop_ids: set[int],
                  config: SchedulerConfig = SchedulerConfig(),
                  clock: Callable[[], float] = time.perf_counter,
-                 scheduler_class: type[Scheduler] = Scheduler):
+                 scheduler_class: type[Scheduler] = Scheduler, stats_capacity: int = 10_000):
         self.runner = runner
         self.tokenizer = tokenizer
         self.stop_ids = stop_ids
@@ -113,7 +83,7 @@ class Engine:
         self.scheduler = scheduler_class(config, runner.allocator, clock)
         self.sampler = Sampler(runner.device)
         self.requests: dict[str, Request] = {}
-        self.stats: list[StepStats] = []
+        self.stats = StepLog(stats_capacity)  # the latest steps' StepStats
         self._seq = itertools.count()
         self._stepping = False
         self._ends: list[tuple[Request, str]] = []  # ends asked for during a step, applied after it
@@ -122,10 +92,11 @@ class Engine:
     def from_model(cls, model: LlamaModel, tokenizer: Tokenizer, max_seqs: int = 16, token_budget: int = 256,
                    max_len: int = 1024, aging_rate: float = 1.0, static: bool = False,
                    attention: str = "sdpa", kv_dtype: torch.dtype | None = None,
-                   clock: Callable[[], float] = time.perf_counter) -> "Engine":
+                   clock: Callable[[], float] = time.perf_counter, stats_capacity: int = 10_000) -> "Engine":
         config = SchedulerConfig(max_seqs, token_budget, aging_rate, static)
         runner = ModelRunner(model, max_seqs, max_len, attention, kv_dtype)
-        return cls(runner, tokenizer, stop_token_ids(model.config, tokenizer), config, clock)
+        return cls(runner, tokenizer, stop_token_ids(model.config, tokenizer), config, clock,
+                   stats_capacity=stats_capacity)
 
     def check_request(self, prompt: str | Sequence[int], params: SamplingParams) -> list[int]:
         """The prompt's token ids, once it is known that the engine can run it: refused otherwise."""

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 
 from aie_lessons.engine.engine import Engine
 from aie_lessons.engine.request import Request, RequestStatus
+from aie_lessons.engine.step_log import StepStats
 from aie_lessons.sampling import SamplingParams
 
 from aie_lessons.server.admission import Refusal, admission
@@ -51,6 +52,7 @@ class AsyncEngine:
         self.max_waiting = max_waiting
         self.metrics = metrics or ServerMetrics()
         self.name = name
+        self.gauges = self.metrics.engine_gauges(name)  # this engine's own series, until its thread ends
         self.admitting = True
         self.error: BaseException | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -72,7 +74,7 @@ class AsyncEngine:
 
     def start(self) -> None:
         self.loop = asyncio.get_running_loop()
-        self.metrics.kv_total.set(self.engine.runner.allocator.num_blocks)
+        self.gauges.kv_total.set(self.engine.runner.allocator.num_blocks)
         self._thread.start()
 
     def waiting(self) -> int:
@@ -139,6 +141,8 @@ class AsyncEngine:
         self._wake.set()
         if self._thread.is_alive():
             self._thread.join(timeout)
+        elif self._thread.ident is None:  # never started: no thread will forget its gauges
+            self.metrics.forget_engine(self.gauges)
 
     def _send(self, message: tuple) -> None:
         self._inbox.append(message)
@@ -153,7 +157,9 @@ class AsyncEngine:
                 self._take_inbox()
                 self._gauges()
                 if self.engine.has_work():
-                    self._deliver(self.engine.step())
+                    steps = len(self.engine.stats)
+                    finished = self.engine.step()
+                    self._deliver(finished, self.engine.stats[-1] if len(self.engine.stats) > steps else None)
                 elif self._stopping:
                     return
                 else:
@@ -166,8 +172,11 @@ class AsyncEngine:
                 self._closed = True
             end = (Event(finish_reason="error", error=f"{type(self.error).__name__}: {self.error}") if self.error
                    else Event(finish_reason="abort"))
-            for request_id in list(self._queues):
-                self._end(request_id, end)
+            try:
+                for request_id in list(self._queues):
+                    self._end(request_id, end)
+            finally:
+                self.metrics.forget_engine(self.gauges)
 
     def _take_inbox(self) -> None:
         while self._inbox:
@@ -196,11 +205,10 @@ class AsyncEngine:
         self._last_text[request_id] = now
         queue.put(Event(text=text))
 
-    def _deliver(self, finished: list[Request]) -> None:
-        """After a step: the step's metrics, then the finished requests' final events."""
+    def _deliver(self, finished: list[Request], stats: StepStats | None) -> None:
+        """After a step: its metrics (``stats``: the step's own), then the finished requests' final events."""
         metrics, requests = self.metrics, self.engine.requests
-        if self.engine.stats:
-            stats = self.engine.stats.pop()  # a server runs for weeks: keep only what the metrics need
+        if stats is not None:
             metrics.batch.observe(len(stats.chunks))
             for request_id in {chunk[0] for chunk in stats.chunks}:  # tokens sampled in this step
                 request = requests[request_id]
@@ -212,11 +220,11 @@ class AsyncEngine:
     def _gauges(self) -> None:
         """Running, waiting and KV in use, as of now: read before each step and before the thread
         sleeps, so that an abort with no step after it shows too."""
-        self.metrics.running.set(len(self.engine.scheduler.running))
-        self.metrics.waiting.set(self.waiting())
-        self.metrics.kv_used.set(self.engine.runner.allocator.used)
-        self.metrics.tracked.set(len(self.engine.requests) + len(self._queues) + len(self._last_text)
-                                 + len(self._counted))
+        self.gauges.running.set(len(self.engine.scheduler.running))
+        self.gauges.waiting.set(self.waiting())
+        self.gauges.kv_used.set(self.engine.runner.allocator.used)
+        self.gauges.tracked.set(len(self.engine.requests) + len(self._queues) + len(self._last_text)
+                                + len(self._counted))
 
     def _finished(self, request: Request) -> None:
         """A request the engine ended: its final event, its metrics, and the engine forgets it."""
@@ -238,5 +246,5 @@ class AsyncEngine:
         self._finish_times.append(time.monotonic())
         while len(self._finish_times) > 1000:
             self._finish_times.popleft()
-        if queue is not None and not self.loop.is_closed():  # a closed loop: the process is exiting
+        if queue is not None:
             queue.put(event)

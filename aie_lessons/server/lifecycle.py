@@ -74,8 +74,10 @@ def load_model(config: ServeConfig, metrics: ServerMetrics, model_dir: str | Pat
     tokenizer = Tokenizer.from_pretrained(folder)
     model = LlamaModel.from_pretrained(folder, dtype=getattr(torch, dtype or config.dtype))
     kv_bytes = None if config.kv_memory_mb is None else int(config.kv_memory_mb * 2**20)
+    # stats_capacity: the server reads each step's stats once, right after it; a long record of
+    # steps (and of the ids of requests long ended) would only take memory
     engine = paged_engine(model, tokenizer, max_seqs=config.max_seqs, token_budget=config.token_budget,
-                          kv_bytes=kv_bytes)
+                          kv_bytes=kv_bytes, stats_capacity=16)
     label = name or (config.model_name if model_dir is None else None) or folder.name
     return LoadedModel(AsyncEngine(engine, config.max_waiting, metrics, label), tokenizer, label, folder)
 

@@ -4,25 +4,48 @@
 
 from __future__ import annotations
 
+import threading
+from dataclasses import dataclass
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 
+@dataclass(frozen=True)
+class EngineGauges:
+    """One engine's gauges, under its own ``engine`` label."""
+
+    label: str
+    running: Gauge
+    waiting: Gauge
+    kv_used: Gauge
+    kv_total: Gauge
+    tracked: Gauge
+
+
 class ServerMetrics:
     """Gauges, counters and histograms of one server, in a registry of its own (not the process'
-    global one), so that two servers in one process — or a test's — never share a number."""
+    global one), so that two servers in one process — or a test's — never share a number.
+
+    What an engine *is* (requests running and waiting, KV blocks) is a gauge per engine, labelled
+    ``engine``: during a hot swap two engines run side by side, and one series written by both
+    would jump between their numbers. What the server *did* (tokens, latencies, refusals) is
+    counted once for the server, whichever engine did it.
+    """
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
-        self.running = Gauge("aie_requests_running", "Requests holding KV and decoding", registry=r)
-        self.waiting = Gauge("aie_requests_waiting", "Requests accepted but not yet running", registry=r)
-        self.kv_used = Gauge("aie_kv_blocks_used", "KV blocks in use", registry=r)
-        self.kv_total = Gauge("aie_kv_blocks_total", "KV blocks in the pool", registry=r)
+        self.running = Gauge("aie_requests_running", "Requests holding KV and decoding", ["engine"], registry=r)
+        self.waiting = Gauge("aie_requests_waiting", "Requests accepted but not yet running", ["engine"], registry=r)
+        self.kv_used = Gauge("aie_kv_blocks_used", "KV blocks in use", ["engine"], registry=r)
+        self.kv_total = Gauge("aie_kv_blocks_total", "KV blocks in the pool", ["engine"], registry=r)
         self.tracked = Gauge("aie_requests_tracked", "Requests the engine and the server still keep a record of: "
-                             "0 when idle, or something leaks", registry=r)
+                             "0 when idle, or something leaks", ["engine"], registry=r)
+        self._engines: dict[str, EngineGauges] = {}  # the live engines' gauges, by label
+        self._labels_lock = threading.Lock()  # engines are built on worker threads and end on their own
         self.batch = Histogram("aie_batch_size", "Sequences in each engine step", buckets=BATCH_SIZE_BUCKETS, registry=r)
         self.ttft = Histogram("aie_time_to_first_token_seconds", "Arrival to first token", buckets=LATENCY_BUCKETS_S,
                               registry=r)
@@ -38,15 +61,39 @@ class ServerMetrics:
         self.rejected = Counter("aie_requests_rejected", "Requests refused before any work, by reason", ["reason"],
                                 registry=r)
 
+    def engine_gauges(self, name: str) -> EngineGauges:
+        """The gauges of a new engine, labelled ``name`` — or ``name#2``, ``name#3``... while an
+        engine of that name is still live (a swap may load the same model again)."""
+        with self._labels_lock:
+            label, n = name, 1
+            while label in self._engines:
+                n += 1
+                label = f"{name}#{n}"
+            gauges = EngineGauges(label, *(gauge.labels(label) for gauge in self._engine_series()))
+            self._engines[label] = gauges
+        return gauges
+
+    def forget_engine(self, gauges: EngineGauges) -> None:
+        """An engine has ended: its series leave ``/metrics`` (a stopped engine has no state)."""
+        with self._labels_lock:
+            if self._engines.get(gauges.label) is not gauges:  # forgotten already (the label may be another's now)
+                return
+            del self._engines[gauges.label]
+            for gauge in self._engine_series():
+                gauge.remove(gauges.label)
+
+    def _engine_series(self) -> tuple[Gauge, ...]:
+        return self.running, self.waiting, self.kv_used, self.kv_total, self.tracked
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
 
 def metric_value(text: str, name: str, labels: str = "") -> float | None:
-    """One sample's value read back from ``/metrics`` text (``labels`` as written there, e.g.
-    ``'finish_reason="abort"'``), None if absent: what the tests and the notebook read."""
-    wanted = f"{name}{{{labels}}}" if labels else name
-    for line in text.splitlines():
-        if line.startswith(wanted + " "):
-            return float(line.split()[-1])
-    return None
+    """A sample's value read back from ``/metrics`` text, None if absent: what the tests and the
+    notebook read. With ``labels`` (as written there, e.g. ``'finish_reason="abort"'``) the one
+    sample that has them; without, the sum of every sample of ``name`` (all engines, all reasons)."""
+    values = [float(line.split()[-1]) for line in text.splitlines()
+              if (line.startswith(f"{name}{{{labels}}} ") if labels
+                  else line.startswith(name + " ") or line.startswith(name + "{"))]
+    return sum(values) if values else None

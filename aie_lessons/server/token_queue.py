@@ -42,9 +42,20 @@ class TokenQueue:
         self.loop = loop
         self.queue: asyncio.Queue[Event] = asyncio.Queue()
 
-    def put(self, event: Event) -> None:
-        """Called on the engine thread: never blocks it (the queue has no bound)."""
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
+    def put(self, event: Event) -> bool:
+        """Called on the engine thread: never blocks it (the queue has no bound). False if the
+        event loop has closed — the process is exiting, and nobody is left to read the event.
+
+        Asking ``loop.is_closed()`` first and then putting would race: the loop can close in
+        between, and the put would raise on the engine thread. So the put is tried, and the one
+        error a closed loop gives is told apart from any other by asking after it."""
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
+        except RuntimeError:
+            if not self.loop.is_closed():
+                raise
+            return False
+        return True
 
     async def events(self) -> AsyncIterator[Event]:
         """The events in order, up to and including the final one."""
