@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from aie_lessons.model import Attention, apply_rope, register_attention_backend
+from aie_lessons.model import Attention, apply_rope
 from aie_lessons.shapes import Dims
 
 # A mask fills forbidden scores with float32's most negative number, not -inf: a row whose every
@@ -61,7 +61,6 @@ def attention_layer(
     return dims.check("output", attn.o_proj(merged), "B S Hq*D")
 
 
-@register_attention_backend("manual")
 def manual_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None
 ) -> torch.Tensor:

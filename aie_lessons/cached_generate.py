@@ -13,11 +13,11 @@ from typing import TYPE_CHECKING
 from aie_lessons.generate import run_batch
 from aie_lessons.kv_cache import KVCache
 from aie_lessons.masks import attention_mask
+from aie_lessons.model import AttentionMetadata, LAST_POSITION, LlamaModel
 from aie_lessons.padded_batch import left_pad
 from aie_lessons.sampling import SamplingParams, make_generator, sample_next
 
 if TYPE_CHECKING:
-    from aie_lessons.model import LlamaModel
     from aie_lessons.output import GenerationResult
     from aie_lessons.tokenizer import Tokenizer
 
@@ -42,7 +42,8 @@ def cached_steps(model: LlamaModel, prompts: list[list[int]], params: list[Sampl
     is_real = batch.is_real
     # Without padding, the default causal mask is the right one: no mask tensor to build.
     mask = attention_mask(is_real, width) if padded else None
-    logits = model(batch.input_ids, batch.positions, mask, cache, cache_start=0, last_position_only=True)
+    logits = model(batch.input_ids, batch.positions,
+                   AttentionMetadata(mask=mask, cache=cache, cache_start=0, logits_at=LAST_POSITION))
     for step in range(steps):
         tokens = sample_next(logits, params, generators, sequences)
         for sequence, token in zip(sequences, tokens):
@@ -54,7 +55,8 @@ def cached_steps(model: LlamaModel, prompts: list[list[int]], params: list[Sampl
         is_real = torch.cat([is_real, torch.ones_like(is_real[:, :1])], dim=1)
         mask = attention_mask(is_real, 1) if padded else None
         new_ids = torch.tensor(tokens, device=device)[:, None]
-        logits = model(new_ids, positions, mask, cache, cache_start=width + step)  # cache: one column for all
+        step_metadata = AttentionMetadata(mask=mask, cache=cache, cache_start=width + step)  # one column for all
+        logits = model(new_ids, positions, step_metadata)
 
 
 def generate_cached(

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from aie_lessons.generate import check_prompt, collect, open_streams
 from aie_lessons.kv_cache import KVCache, kv_cache_bytes
-from aie_lessons.model import LlamaModel, rms_norm, rope_cos_sin
+from aie_lessons.model import LAST_POSITION, AttentionMetadata, LlamaModel, rms_norm, rope_cos_sin
 from aie_lessons.quantize import (INT4_KERNEL_GROUP_SIZES, QuantizedLinear, QuantScheme, kernel_fits,
                                   kernel_layout, kernel_matmul)
 from aie_lessons.sampling import SamplingParams, make_generator, sample_next
@@ -397,8 +397,8 @@ class FastDecoder:
         cache = KVCache(model.config, 1, max_len, dtype=self.embed.dtype, device=device)
         positions = torch.arange(max_len, device=device)[None]
         cos, sin = (t[0] for t in rope_cos_sin(positions, model.config.head_dim, model.config.rope_theta))
-        logits = model(torch.tensor([prompt_ids], device=device), positions[:, :len(prompt_ids)], cache=cache,
-                       cache_start=0, last_position_only=True)
+        prefill = AttentionMetadata(cache=cache, cache_start=0, logits_at=LAST_POSITION)
+        logits = model(torch.tensor([prompt_ids], device=device), positions[:, :len(prompt_ids)], prefill)
         calls = self.layer_inputs(cache)
         for table in (cos, sin):
             torch._dynamo.mark_dynamic(table, 0)

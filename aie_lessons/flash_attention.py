@@ -13,8 +13,6 @@ import torch
 
 from aie_lessons.attention import group_queries
 
-from aie_lessons.model import register_attention_backend
-
 if not torch.cuda.is_available() and "triton" not in sys.modules:
     # The interpreter must be chosen before triton is imported; with no GPU it is the only option.
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -245,16 +243,15 @@ def triton_flash_attention(
     return out, lse
 
 
-@register_attention_backend("flash")
 def flash_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """The model's "flash" backend: the Triton kernel where it can run these tensors, else the
-    tiled PyTorch version (no Triton; CPU tensors with a compiled Triton; bfloat16 under the
-    interpreter, which computes it wrongly)."""
+    """An attention kernel for the model (``attention=flash_attention``): the Triton kernel where it
+    can run these tensors, else the tiled PyTorch version (no Triton; CPU tensors with a compiled
+    Triton; bfloat16 under the interpreter, which computes it wrongly)."""
     if mask is not None:
-        raise ValueError("the flash backend computes causal attention without a padding mask; "
-                         "for padded batches use the 'sdpa' or 'manual' backend")
+        raise ValueError("the flash kernel computes causal attention without a padding mask; for padded "
+                         "batches and engine steps use sdpa_attention or stage 02's manual_attention")
     kernel_runs = HAS_TRITON and (
         q.is_cuda or (interpreted() and q.dtype != torch.bfloat16))
     fn = triton_flash_attention if kernel_runs else tiled_attention

@@ -13,10 +13,10 @@ from typing import TYPE_CHECKING
 
 from aie_lessons.generate import run_batch
 from aie_lessons.masks import attention_mask
+from aie_lessons.model import AttentionMetadata, LAST_POSITION, LlamaModel
 from aie_lessons.sampling import SamplingParams, make_generator, sample_next
 
 if TYPE_CHECKING:
-    from aie_lessons.model import LlamaModel
     from aie_lessons.output import GenerationResult
     from aie_lessons.tokenizer import Tokenizer
 
@@ -49,7 +49,7 @@ def batch_steps(model: LlamaModel, prompts: list[list[int]], params: list[Sampli
     for _ in range(max(p.max_new_tokens for p in params)):
         batch = left_pad(sequences, pad_id=0, device=device)  # any id works: padding is masked out
         mask = attention_mask(batch.is_real, batch.input_ids.shape[1])
-        logits = model(batch.input_ids, batch.positions, mask, last_position_only=True)
+        logits = model(batch.input_ids, batch.positions, AttentionMetadata(mask=mask, logits_at=LAST_POSITION))
         tokens = sample_next(logits, params, generators, sequences)
         for sequence, token in zip(sequences, tokens):
             sequence.append(token)

@@ -14,6 +14,8 @@ from tqdm.auto import tqdm
 from aie_lessons.model import LlamaModel
 from aie_lessons.precision import agreement
 
+from aie_lessons.model import AttentionMetadata
+
 
 @dataclass(frozen=True)
 class TextQuality:
@@ -77,4 +79,4 @@ class ThroughCache(torch.nn.Module):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         positions = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
         cache = self.make_cache(ids.shape[0], ids.shape[1], ids.device)
-        return self.model(ids, positions, cache=cache, cache_start=0)
+        return self.model(ids, positions, AttentionMetadata(cache=cache, cache_start=0))

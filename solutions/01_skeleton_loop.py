@@ -463,11 +463,14 @@ print(tokenizer.apply_chat_template([{"role": "user", "content": "What is the ca
 # between the two positions. HuggingFace pairs coordinate `i` with `i + D/2` ("rotate half");
 # stage 02 shows the other convention and why the GGUF conversion had to permute rows.
 #
-# **Attention** is pluggable: the model looks its attention function up by name, so stage 02 can
-# swap in your hand-written one, stage 05 a flash kernel and stage 07 a paged one, without
-# touching the rest of the model. For now it is PyTorch's `scaled_dot_product_attention`. Two
-# arguments wait for later stages and stay `None` here: an attention `mask` (stage 03) and a KV
-# `cache` (stage 04).
+# **Attention** is pluggable in two ways. The *kernel*, the function that turns q, k and v into
+# the output, is passed to the model when it is built: PyTorch's `scaled_dot_product_attention`
+# for now, your hand-written one in stage 02, a flash kernel in stage 05. And each forward pass
+# takes an `AttentionMetadata`: everything a pass tells attention besides q, k and v. Here it is
+# empty; stage 03 puts a `mask` in it, stage 04 a KV `cache`, and stages 06 and 07 replace it with
+# a whole batch's worth of slots and block tables. The model never looks inside: every layer hands
+# q, k, v, its own index and the kernel to the metadata's `attend`, and the metadata decides where
+# the keys are stored and which ones each query reads.
 #
 # One more detail, for later: the projections are `Linear` layers that compute in the dtype of
 # their *input*, whatever their weights are stored in. So weights can be stored in bf16 (half
@@ -517,53 +520,30 @@ print(f"in bf16: 300 + 0.9 = {(near_300 + 0.9).item():g}, 300 + 1.9 = {(near_300
 # inside. Rather than rely on that, the exercise converts x to fp32 itself, normalizes, and
 # converts back only at the end.
 #
-# The model's module starts with the attention registry; the exercises fill in the pieces after it.
+# The model's module starts with the attention kernel and the step contract; the exercises fill in
+# the pieces after it.
 
 # %%
 # export: model
-"""A Llama-family decoder whose attention backend is chosen by name."""
+"""A Llama-family decoder; what attention does with a pass's keys is the pass's metadata's job."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-# An attention backend takes q (B, Hq, S, D), k and v (B, Hkv, T, D) and an optional boolean
-# mask (B or 1, 1, S, T), True where a query may look; it returns (B, Hq, S, D). No mask means
-# causal attention with the S queries as the *last* S of the T positions (S == T without a
-# cache; S < T after a cache has returned the past). Stage 03 builds masks, stage 04 makes T > S.
+# An attention kernel takes q (B, Hq, S, D), k and v (B, Hkv, T, D) and an optional boolean mask
+# (B or 1, 1, S, T), True where a query may look; it returns (B, Hq, S, D). No mask means causal
+# attention with the S queries as the *last* S of the T positions (S == T without a cache; S < T
+# after a cache has returned the past). Stage 03 builds masks, stage 04 makes T > S.
 AttentionFn = Callable[..., torch.Tensor]
-ATTENTION_BACKENDS: dict[str, AttentionFn] = {}
-# Backends that store the new keys/values and read the KV cache themselves, instead of being
-# handed the cache's contiguous (B, Hkv, T, D) keys and values: stage 07's paged attention reads
-# blocks through a block table and would waste its point if the model gathered them first.
-CACHE_READING_BACKENDS: set[str] = set()
 
 
-def register_attention_backend(name: str, reads_cache: bool = False) -> Callable[[AttentionFn], AttentionFn]:
-    """Make an attention function selectable with ``LlamaModel(..., attention=name)``.
-
-    A backend registered with ``reads_cache=True`` is called, when there is a cache, as
-    ``fn(q, k, v, mask=mask, cache=cache, layer=layer_index, start=cache_start)`` with only the
-    *new* k and v: storing them and reading the past is its job.
-    """
-
-    def register(fn: AttentionFn) -> AttentionFn:
-        ATTENTION_BACKENDS[name] = fn
-        if reads_cache:
-            CACHE_READING_BACKENDS.add(name)
-        else:
-            CACHE_READING_BACKENDS.discard(name)
-        return fn
-
-    return register
-
-
-@register_attention_backend("sdpa")
 def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None):
     """PyTorch's fused attention; ``enable_gqa`` lets 9 query heads share 3 key/value heads.
 
@@ -577,6 +557,50 @@ def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torc
     return F.scaled_dot_product_attention(
         q, k, v, attn_mask=mask, is_causal=mask is None and seq > 1, enable_gqa=True
     )
+
+
+def check_kernel(kernel: object) -> None:
+    """Refuse anything but a kernel function when a model is built, not deep inside its first pass."""
+    if not callable(kernel):
+        raise TypeError(f"attention must be a kernel function, fn(q, k, v, mask=None), got {kernel!r}. Fix: "
+                        "pass the function itself: sdpa_attention (aie_lessons.model), stage 02's "
+                        "manual_attention (aie_lessons.attention) or stage 05's flash_attention")
+
+
+# The logits_at of a generation step: only the last position predicts the next token.
+LAST_POSITION = slice(-1, None)
+
+
+@dataclass(eq=False)  # compared by identity: == on masks would compare tensors
+class AttentionMetadata:
+    """What one forward pass tells attention besides q, k and v: the model's step contract.
+
+    The model passes it, unread, to every layer, and each layer calls ``attend``; so a caller
+    changes where keys live and which ones a query reads by passing other metadata, never by
+    changing the model. This class is the lessons' own: an optional ``mask`` (stage 03), an
+    optional contiguous KV ``cache`` that stores a pass's keys from column ``cache_start`` on
+    (stage 04: the caller says where, as only the caller knows how far each sequence is), and
+    ``logits_at``, the positions whose logits are wanted (an index or a slice of the sequence
+    axis; None for all), so that the output head skips the others. Stages 06 and 07 subclass it
+    with a packed batch's slots or block tables and their own ``attend``.
+    """
+
+    mask: torch.Tensor | None = None
+    cache: Any = None  # stage 04's KVCache, or anything with update(layer, k, v, start) -> keys, values so far
+    cache_start: int | torch.Tensor | None = None  # the cache column of the pass's first token
+    logits_at: slice | torch.Tensor | None = None  # a slice or 1-D positions of the sequence axis
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
+               kernel: AttentionFn) -> torch.Tensor:
+        """Layer ``layer``'s attention output for q (B, Hq, S, D) and the pass's new k, v (B, Hkv, S, D)."""
+        if self.cache is None:
+            return kernel(q, k, v, mask=self.mask)
+        if self.cache_start is None:
+            raise ValueError("a cache needs cache_start, the column where these tokens' keys go: "
+                             "AttentionMetadata(cache=cache, cache_start=...) (the caller owns how far "
+                             "each sequence is)")
+        k, v = self.cache.update(layer, k, v, self.cache_start)  # (B, Hkv, T, D), the cache's dtype
+        return kernel(q, k.to(q.dtype), v.to(q.dtype), mask=self.mask)  # a bf16 cache: a copy per step
 
 
 # %% [markdown]
@@ -684,7 +708,7 @@ checks.stage01.check_rope_cos_sin(rope_cos_sin)
 # %% [markdown]
 # The projections and attention are given. `Linear` computes in its input's dtype; `RMSNorm`
 # holds the weight your `rms_norm` multiplies by; `Attention` projects x to q, k and v, rotates
-# q and k with your `apply_rope`, and calls the attention backend (and, from stage 04, the cache).
+# q and k with your `apply_rope`, and hands them to the pass's metadata with its kernel.
 
 # %%
 # export: model
@@ -725,10 +749,10 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, backend: str, layer_index: int):
+    def __init__(self, config: ModelConfig, layer_index: int, kernel: AttentionFn = sdpa_attention):
         super().__init__()
         self.config = config
-        self.backend = backend
+        self.kernel = kernel
         self.layer_index = layer_index
         d, hq, hkv = config.head_dim, config.num_heads, config.num_kv_heads
         self.q_proj = Linear(config.hidden_size, hq * d, bias=False)
@@ -736,22 +760,15 @@ class Attention(nn.Module):
         self.v_proj = Linear(config.hidden_size, hkv * d, bias=False)
         self.o_proj = Linear(hq * d, config.hidden_size, bias=False)
 
-    def forward(self, x, cos, sin, mask=None, cache=None, cache_start=None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                attn: AttentionMetadata) -> torch.Tensor:
         batch, seq, _ = x.shape
         d, hq, hkv = self.config.head_dim, self.config.num_heads, self.config.num_kv_heads
         q = self.q_proj(x).view(batch, seq, hq, d).transpose(1, 2)  # (B, Hq, S, D)
         k = self.k_proj(x).view(batch, seq, hkv, d).transpose(1, 2)  # (B, Hkv, S, D)
         v = self.v_proj(x).view(batch, seq, hkv, d).transpose(1, 2)  # (B, Hkv, S, D)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        backend = ATTENTION_BACKENDS[self.backend]
-        if cache is None:
-            out = backend(q, k, v, mask=mask)  # (B, Hq, S, D)
-        elif self.backend in CACHE_READING_BACKENDS:  # stage 07: the backend reads the cache itself
-            out = backend(q, k, v, mask=mask, cache=cache, layer=self.layer_index, start=cache_start)
-        else:  # stage 04: store the new keys/values at cache_start, attend to all kept so far
-            k, v = cache.update(self.layer_index, k, v, cache_start)  # (B, Hkv, T, D), cache's dtype
-            k, v = k.to(q.dtype), v.to(q.dtype)  # a bf16 cache, fp32 activations: a copy per step
-            out = backend(q, k, v, mask=mask)
+        out = attn.attend(q, k, v, self.layer_index, self.kernel)  # (B, Hq, S, D)
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq, hq * d))
 
 
@@ -791,14 +808,14 @@ checks.stage01.check_mlp(MLP)
 # %% [markdown]
 # ### Exercise 1.5 — the pre-norm residual block
 #
-# `DecoderLayer.forward(x, cos, sin, mask, cache, cache_start)` is one block of the diagram at
+# `DecoderLayer.forward(x, cos, sin, attn)` is one block of the diagram at
 # the top of this section. `x` is the *residual stream*, (B, S, hidden). The block has two
 # halves, in this order, and each one reads a normalized copy of the stream and *adds* its result
 # to the stream:
 #
 # 1. attention reads `input_layernorm` of the stream; call `self.self_attn` with that and with
-#    `cos, sin, mask, cache, cache_start` exactly as received (stage 03 passes masks through
-#    here, stage 04 a KV cache);
+#    `cos, sin` and the metadata `attn` exactly as received (stage 03's masks and stage 04's KV
+#    cache reach attention inside it);
 # 2. the MLP reads `post_attention_layernorm` of the stream *as the attention half left it*.
 #
 # Return the stream after both additions. The stream itself is never normalized inside a block
@@ -807,18 +824,19 @@ checks.stage01.check_mlp(MLP)
 # %%
 # export: model
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, backend: str, layer_index: int):
+    def __init__(self, config: ModelConfig, layer_index: int, kernel: AttentionFn = sdpa_attention):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, backend, layer_index)
+        self.self_attn = Attention(config, layer_index, kernel)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x, cos, sin, mask=None, cache=None, cache_start=None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                attn: AttentionMetadata) -> torch.Tensor:
         # BEGIN EXERCISE 1.5: return x after the attention half and then the MLP half, each reading its own norm of the stream and adding its output to it
         # Hint 1: In a pre-norm block the residual stream x is only ever added to: each half reads a normalized copy of x and adds its output back onto x itself, so what earlier layers wrote reaches the end unchanged, and the MLP sees the stream after attention's contribution.
-        # Hint 2: First add to x the output of self_attn on input_layernorm(x), passing cos, sin, mask, cache and cache_start along; then add to that updated x the output of mlp on post_attention_layernorm of the updated x.
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache, cache_start)
+        # Hint 2: First add to x the output of self_attn on input_layernorm(x), passing cos, sin and attn along; then add to that updated x the output of mlp on post_attention_layernorm of the updated x.
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn)
         return x + self.mlp(self.post_attention_layernorm(x))
         # END EXERCISE 1.5
 
@@ -830,7 +848,7 @@ checks.stage01.check_decoder_layer(DecoderLayer)
 # %% [markdown]
 # ### Exercise 1.6 — the forward pass
 #
-# `LlamaModel.forward(input_ids, positions, mask, cache, cache_start, last_position_only)` turns
+# `LlamaModel.forward(input_ids, positions, attn)` turns
 # token ids (B, S) into logits (B, S, vocab): the pipeline of the diagram above, embedding →
 # every block of `self.layers` in order → final norm `self.norm` → output head `self.lm_head`.
 # The rules:
@@ -841,13 +859,16 @@ checks.stage01.check_decoder_layer(DecoderLayer)
 # - The residual stream is computed in `self.activations`. RoPE's tables are made once per call
 #   from the positions and the config's `rope_theta` (every checkpoint picks its own base), and
 #   reach the layers in the stream's dtype.
-# - Every layer receives `mask`, `cache` and `cache_start` as the model was given them (stages 03
-#   and 04 rely on it).
+# - Every layer receives the metadata `attn` as the model was given it (stages 03–07 rely on it);
+#   when the caller gives none, the lines before the exercise make it an empty `AttentionMetadata()`.
 # - The logits are fp32 whatever `activations` is, and computed in fp32: the output head itself
 #   runs on fp32 input (a result rounded in bf16 and converted afterwards would keep bf16's
 #   coarse steps, and close candidates would tie).
-# - With `last_position_only` the result is (B, 1, vocab), and the norm and the output head run
-#   on the last position only: saving the head's work on the others is the point.
+# - `attn.logits_at` picks the positions whose logits are wanted, the same ones in every row: a
+#   slice of the sequence axis (`LAST_POSITION`, the slice `-1:`, in a generation step) or a 1-D
+#   tensor of positions (stage 06's packed batches), never an int — the sequence axis stays — or
+#   None for all. The norm and the output head run on those positions only: saving the head's work
+#   on the others is the point. The result is (B, K, vocab) for K kept.
 #
 # The class is long because of loading; the exercise is `forward` only.
 
@@ -862,31 +883,34 @@ class LlamaModel(nn.Module):
     close candidates would tie and argmax would pick the lower id.
     """
 
-    def __init__(self, config: ModelConfig, attention: str = "sdpa", activations: torch.dtype = torch.float32):
+    def __init__(self, config: ModelConfig, attention: AttentionFn = sdpa_attention,
+                 activations: torch.dtype = torch.float32):
         super().__init__()
+        check_kernel(attention)
         if activations not in (torch.float32, torch.bfloat16, torch.float16):
             raise ValueError(f"activations must be torch.float32, torch.bfloat16 or torch.float16, got {activations!r}")
         self.config = config
         self.activations = activations
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, attention, i) for i in range(config.num_layers)
+            DecoderLayer(config, i, attention) for i in range(config.num_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        self.set_attention_backend(attention)
 
-    def set_attention_backend(self, name: str) -> None:
-        if name not in ATTENTION_BACKENDS:
-            raise ValueError(
-                f"unknown attention backend {name!r}; registered: {sorted(ATTENTION_BACKENDS)}. "
-                "A backend registers itself when its module is imported (e.g. "
-                "`import aie_lessons.attention` for 'manual')."
-            )
+    @property
+    def attention(self) -> AttentionFn:
+        """The kernel every layer computes attention with."""
+        return self.layers[0].self_attn.kernel
+
+    def use_attention(self, kernel: AttentionFn) -> None:
+        """Compute attention with ``kernel`` from now on (the lessons compare kernels on one loaded
+        model; an engine binds its kernel when it is built, never per step)."""
+        check_kernel(kernel)
         for layer in self.layers:
-            layer.self_attn.backend = name
+            layer.self_attn.kernel = kernel
 
     @classmethod
     def from_pretrained(
@@ -894,7 +918,7 @@ class LlamaModel(nn.Module):
         model_dir: str | Path,
         dtype: torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
-        attention: str = "sdpa",
+        attention: AttentionFn = sdpa_attention,
         activations: torch.dtype = torch.float32,
     ) -> "LlamaModel":
         """Build the module without allocating, then adopt the loaded tensors as parameters.
@@ -924,39 +948,36 @@ class LlamaModel(nn.Module):
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor | None = None,
-        mask: torch.Tensor | None = None,
-        cache=None,
-        cache_start=None,
-        last_position_only: bool = False,
+        attn: AttentionMetadata | None = None,
     ) -> torch.Tensor:
-        """Logits (B, S, vocab) for token ids (B, S) — or (B, 1, vocab) for the last position.
+        """Logits (B, K, vocab), fp32, for token ids (B, S): every position, or ``attn.logits_at``'s.
 
         ``positions`` (B, S) are the RoPE positions (default 0..S-1 when there is no cache);
-        ``mask`` is a boolean (B or 1, 1, S, T) attention mask (stage 03); ``cache`` is a KV cache
-        with ``update(layer, k, v, start)`` and ``cache_start`` says where these tokens' keys and
-        values go — for stage 04's cache, the column shared by every row. The model passes
-        ``cache_start`` to the cache without reading it, so a later cache can take another kind
-        of address (stage 06: one position per row). The caller says both, because only the
-        caller knows how far each sequence is: nothing here is derived from what a cache holds.
-        Generation only needs the last position's logits: ``last_position_only`` skips the
-        output head's work (S × 576 × 49152 multiply-adds) for all the others.
+        ``attn`` is what attention needs besides q, k and v (a mask, a cache and where to write
+        it, or a whole engine step's slots), handed to every layer unread. Nothing here is
+        derived from what a cache holds: only the caller knows how far each sequence is.
+        Generation only needs the last position's logits: ``logits_at`` spares the output head
+        (S × 576 × 49152 multiply-adds) the others.
         """
-        if cache is not None and (positions is None or cache_start is None):
-            raise ValueError("with a cache, pass positions (B, S) and cache_start (the cache column "
-                             "where these tokens go): the caller owns how far each sequence is")
-        # BEGIN EXERCISE 1.6: return the logits (fp32) of the ids: embeddings in self.activations, every layer with RoPE tables of the positions, the final norm and the output head, for the last position only if asked
+        if isinstance(attn, torch.Tensor):
+            raise TypeError("the third argument is the pass's AttentionMetadata, not a tensor. Fix: for a "
+                            "mask, model(ids, positions, AttentionMetadata(mask=mask))")
+        attn = AttentionMetadata() if attn is None else attn
+        if attn.cache is not None and positions is None:
+            raise ValueError("with a cache, pass positions (B, S): the caller owns how far each sequence is")
+        # BEGIN EXERCISE 1.6: return the logits (fp32) of the ids: embeddings in self.activations, every layer with RoPE tables of the positions and the metadata, the final norm and the output head, at attn.logits_at's positions only if set
         # Hint 1: The model is a pipeline over one residual stream of shape (B, S, hidden): the embeddings go in, every block adds to it in turn, and only at the end is it normalized and projected onto the vocabulary. Positions enter only through RoPE's angle tables, built once and shared by every layer.
-        # Hint 2: Fill in default positions for every row when none are given; embed the ids in the compute dtype; make the angle tables once from the positions and the config's RoPE settings, in the stream's dtype; let each layer in turn update the stream, handing on what the model was given; if asked, cut the stream to its last position while it is still a sequence; normalize, and project onto the vocabulary in fp32.
+        # Hint 2: Fill in default positions for every row when none are given; embed the ids in the compute dtype; make the angle tables once from the positions and the config's RoPE settings, in the stream's dtype; let each layer in turn update the stream, handing on the metadata; if logits_at is set, index the stream's sequence axis with it; normalize, and project onto the vocabulary in fp32.
         if positions is None:
             positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
         x = self.embed_tokens(input_ids).to(self.activations)  # (B, S, hidden)
         cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta)
         cos, sin = cos.to(x.dtype), sin.to(x.dtype)
         for layer in self.layers:
-            x = layer(x, cos, sin, mask, cache, cache_start)
-        if last_position_only:
-            x = x[:, -1:]
-        return self.lm_head(self.norm(x).float())  # (B, S, vocab), fp32
+            x = layer(x, cos, sin, attn)
+        if attn.logits_at is not None:
+            x = x[:, attn.logits_at]  # (B, K, hidden): the head runs on these positions only
+        return self.lm_head(self.norm(x).float())  # (B, K, vocab), fp32
         # END EXERCISE 1.6
 
 
@@ -1599,8 +1620,8 @@ def run_batch(
 #   the iterator when every stream has finished.
 #
 # It is naive on purpose: every step pays for the whole sequence again — and for the output head
-# at every position, although only the last position's logits are used (`last_position_only`
-# would skip the others; the timing table below shows the head's large output).
+# at every position, although only the last position's logits are used (`logits_at` would
+# skip the others; the timing table below shows the head's large output).
 
 # %%
 # export: generate

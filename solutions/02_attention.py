@@ -49,8 +49,8 @@ from aie_lessons.model import (
     Attention,
     LlamaModel,
     apply_rope,
-    register_attention_backend,
     rope_cos_sin,
+    sdpa_attention,
 )
 from aie_lessons.infra.paths import default_model_dir
 
@@ -414,7 +414,7 @@ checks.stage02.check_attention_layer(attention_layer, model)
 # %% [markdown]
 # ## 7. The attention itself
 #
-# The heart of the stage. Backends are called by the model as `fn(q, k, v, mask=...)` with
+# The heart of the stage. Kernels are called by the model as `fn(q, k, v, mask=...)` with
 # q `(B, Hq, S, D)` and k, v `(B, Hkv, T, D)`; T ≥ S, because once stage 04 keeps a cache the S
 # new queries are the *last* S of T positions (S = 1 when decoding one token).
 #
@@ -438,7 +438,6 @@ checks.stage02.check_attention_layer(attention_layer, model)
 
 # %%
 # export: attention
-@register_attention_backend("manual")
 def manual_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None
 ) -> torch.Tensor:
@@ -478,8 +477,9 @@ checks.stage02.check_manual_attention(manual_attention)
 # %% [markdown]
 # ## 8. Your attention inside the model
 #
-# `manual_attention` registered itself as the backend `"manual"`. Switch the model to it and
-# compare the logits with PyTorch's fused kernel on a real prompt, in float32 and in the two
+# `manual_attention` is an attention kernel like PyTorch's: hand it to the model
+# (`model.use_attention(manual_attention)`, or `attention=` when a model is built) and compare
+# the logits with PyTorch's fused kernel on a real prompt, in float32 and in the two
 # half-precision formats (the model computes in the dtype set by `model.activations`). float32
 # may differ only by summation order, grown over 30 layers (allowed: 2e-5 of the largest logit);
 # a half format is allowed 8 of its rounding steps (`eps`) at the size of the largest logit.
@@ -493,9 +493,9 @@ ids = torch.tensor([tokenizer.encode_chat("Why is the sky blue?")])
 with torch.inference_mode():
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         model.activations = dtype
-        model.set_attention_backend("sdpa")
+        model.use_attention(sdpa_attention)
         reference = model(ids)
-        model.set_attention_backend("manual")
+        model.use_attention(manual_attention)
         mine = model(ids)
         # fp32 differs by summation order only; a half format by a few of its rounding steps.
         bound = "2e-5·max|logit|" if dtype == torch.float32 else "8·eps·max|logit|"

@@ -38,12 +38,12 @@ import torch.nn.functional as F
 from matplotlib.colors import ListedColormap
 from matplotlib.ticker import MaxNLocator
 
-import aie_lessons.attention  # noqa: F401 - registers your stage-02 attention as the "manual" backend
 from aie_lessons import checks
+from aie_lessons.attention import manual_attention  # your stage-02 kernel
 from aie_lessons.generate import generate, run_batch
 from aie_lessons.output import GenerationResult
 from aie_lessons.sampling import SamplingParams, make_generator, sample_next
-from aie_lessons.model import LlamaModel
+from aie_lessons.model import LAST_POSITION, AttentionMetadata, LlamaModel, sdpa_attention
 from aie_lessons.infra.paths import default_model_dir
 from aie_lessons.tokenizer import Tokenizer
 
@@ -303,7 +303,7 @@ def batch_steps(model: LlamaModel, prompts: list[list[int]], params: list[Sampli
     for _ in range(max(p.max_new_tokens for p in params)):
         batch = left_pad(sequences, pad_id=0, device=device)  # any id works: padding is masked out
         mask = attention_mask(batch.is_real, batch.input_ids.shape[1])
-        logits = model(batch.input_ids, batch.positions, mask, last_position_only=True)
+        logits = model(batch.input_ids, batch.positions, AttentionMetadata(mask=mask, logits_at=LAST_POSITION))
         tokens = sample_next(logits, params, generators, sequences)
         for sequence, token in zip(sequences, tokens):
             sequence.append(token)
@@ -350,8 +350,8 @@ print("every prompt gets exactly the tokens it gets alone:",
 T = batch.input_ids.shape[1]
 counted_from_zero = torch.arange(T).expand_as(batch.input_ids)
 with torch.inference_mode():
-    per_sequence = model(batch.input_ids, batch.positions, mask)
-    arange = model(batch.input_ids, counted_from_zero, mask)
+    per_sequence = model(batch.input_ids, batch.positions, AttentionMetadata(mask=mask))
+    arange = model(batch.input_ids, counted_from_zero, AttentionMetadata(mask=mask))
     by_itself = [model(torch.tensor([p]))[0] for p in prompts]
 numbering = (per_sequence[:, -1] - arange[:, -1]).abs().max().item()
 print(f"last-position logits, per-sequence vs arange numbering: max |Δ| = {numbering:.3f}")
@@ -399,7 +399,8 @@ def mixed_numbering_tokens(prompts: list[list[int]], steps: int) -> list[list[in
     new_positions = torch.tensor([[len(p)] for p in prompts])
     for step in range(steps):
         positions = torch.cat([prompt_positions, new_positions + torch.arange(step)], dim=1)
-        logits = model(ids, positions, attention_mask(real, ids.shape[1]), last_position_only=True)
+        logits = model(ids, positions, AttentionMetadata(mask=attention_mask(real, ids.shape[1]),
+                                                         logits_at=LAST_POSITION))
         ids = torch.cat([ids, logits[:, -1].argmax(-1, keepdim=True)], dim=1)
         real = torch.cat([real, torch.ones(len(prompts), 1, dtype=torch.bool)], dim=1)
     return ids[:, width:].tolist()
@@ -439,7 +440,7 @@ with torch.inference_mode():
     last = {}
     for name, positions in (("per-sequence", batch.positions), ("arange", counted_from_zero)):
         hook = absolute_positions(positions)
-        last[name] = model(batch.input_ids, positions, mask)[:, -1]
+        last[name] = model(batch.input_ids, positions, AttentionMetadata(mask=mask))[:, -1]
         hook.remove()
 shift = (last["per-sequence"] - last["arange"]).abs().max(-1).values
 print("absolute positions, last-position logits, per-sequence vs arange, max |Δ| per prompt:",
@@ -454,16 +455,16 @@ print("absolute positions, last-position logits, per-sequence vs arange, max |Δ
 #
 # ## 7. Your stage-02 attention runs the batch
 #
-# The model calls its attention through a named backend. Switch it to `"manual"`, the
-# `manual_attention` you wrote in stage 02, with its grouped queries and its `(B, 1, S, T)`
-# padding masks, and generate the same batch again:
+# The model computes attention with the kernel it was given. Hand it `manual_attention`, the
+# kernel you wrote in stage 02, with its grouped queries and its `(B, 1, S, T)` padding masks,
+# and generate the same batch again:
 
 # %%
-model.set_attention_backend("manual")
+model.use_attention(manual_attention)
 with torch.inference_mode():
-    manual_logits = model(batch.input_ids, batch.positions, mask)
+    manual_logits = model(batch.input_ids, batch.positions, AttentionMetadata(mask=mask))
 yours = generate_batch(model, tokenizer, prompts, params)
-model.set_attention_backend("sdpa")
+model.use_attention(sdpa_attention)
 print("batch logits, manual vs sdpa within 1e-3:", (manual_logits - per_sequence).abs().max().item() < 1e-3)
 print("same tokens as with sdpa for every prompt:",
       all(m.token_ids == t.token_ids for m, t in zip(yours, together)))

@@ -45,7 +45,7 @@ from aie_lessons.generate import generate, run_batch
 from aie_lessons.output import GenerationResult
 from aie_lessons.sampling import SamplingParams, greedy_step, make_generator, sample_next
 from aie_lessons.masks import attention_mask
-from aie_lessons.model import LlamaModel
+from aie_lessons.model import LAST_POSITION, AttentionMetadata, LlamaModel, sdpa_attention
 from aie_lessons.padded_batch import generate_batch, left_pad
 from aie_lessons.infra.environment import bf16_line, cpu_facts
 from aie_lessons.infra.paths import default_model_dir
@@ -116,7 +116,7 @@ print(f"8192 tokens x 8 sequences in fp32: {largest / 2**30:.1f} GiB, "
 # up to the last one written.
 #
 # The cache does not count how much it holds: the caller passes `start` (the model's
-# `cache_start` argument), as it passes the RoPE positions. Only the loop knows how far each
+# metadata's `cache_start`), as it passes the RoPE positions. Only the loop knows how far each
 # sequence is — stage 06 keeps many requests at different lengths in one cache, and a hidden
 # counter inside the cache could not say where each of them is.
 #
@@ -258,7 +258,8 @@ checks.stage04.check_next_positions(next_positions)
 #    memory that other requests need;
 # 2. **prefill**: one forward pass over the padded batch with its RoPE positions and its
 #    attention mask (stage 03's `attention_mask`: causal, padding hidden), writing the cache
-#    from column 0; only the last position's logits are needed;
+#    from column 0; only the last position's logits are needed (the mask, the cache, its start
+#    column and the positions whose logits are wanted travel in the pass's `AttentionMetadata`);
 # 3. at every step pick the next tokens from the logits (`sample_next`), append them to
 #    `sequences` and yield them; after the last step return at once: the last token needs no
 #    forward pass of its own;
@@ -292,7 +293,8 @@ def cached_steps(model: LlamaModel, prompts: list[list[int]], params: list[Sampl
     is_real = batch.is_real
     # Without padding, the default causal mask is the right one: no mask tensor to build.
     mask = attention_mask(is_real, width) if padded else None
-    logits = model(batch.input_ids, batch.positions, mask, cache, cache_start=0, last_position_only=True)
+    logits = model(batch.input_ids, batch.positions,
+                   AttentionMetadata(mask=mask, cache=cache, cache_start=0, logits_at=LAST_POSITION))
     for step in range(steps):
         tokens = sample_next(logits, params, generators, sequences)
         for sequence, token in zip(sequences, tokens):
@@ -304,7 +306,8 @@ def cached_steps(model: LlamaModel, prompts: list[list[int]], params: list[Sampl
         is_real = torch.cat([is_real, torch.ones_like(is_real[:, :1])], dim=1)
         mask = attention_mask(is_real, 1) if padded else None
         new_ids = torch.tensor(tokens, device=device)[:, None]
-        logits = model(new_ids, positions, mask, cache, cache_start=width + step)  # cache: one column for all
+        step_metadata = AttentionMetadata(mask=mask, cache=cache, cache_start=width + step)  # one column for all
+        logits = model(new_ids, positions, step_metadata)
     # END EXERCISE 4.3
 
 
@@ -342,10 +345,10 @@ checks.stage04.check_cached_steps(cached_steps)
 #    sizes a cache itself.
 #
 # The first two run twice: with PyTorch's attention, and with the attention you wrote in
-# stage 02 (the `manual` backend, which its module registers when imported).
+# stage 02 (its `manual_attention` kernel).
 
 # %%
-import aie_lessons.attention  # noqa: F401  (registers stage 02's "manual" backend)
+from aie_lessons.attention import manual_attention
 
 prompts = [tokenizer.encode_chat(q) for q in (
     "What is the capital of France?",
@@ -354,8 +357,8 @@ prompts = [tokenizer.encode_chat(q) for q in (
     "Give me one tip for learning to cook.",
 )]
 params = SamplingParams(max_new_tokens=12)
-for backend in ("sdpa", "manual"):
-    model.set_attention_backend(backend)
+for backend, kernel in (("sdpa", sdpa_attention), ("manual", manual_attention)):
+    model.use_attention(kernel)
     single_cached = generate_cached(model, tokenizer, prompts[:1], params)[0]
     single_plain = generate(model, tokenizer, prompts[0], params)
     print(f"{backend:>6}: one prompt, cache on == cache off:", single_cached.token_ids == single_plain.token_ids)
@@ -363,23 +366,23 @@ for backend in ("sdpa", "manual"):
     batch_plain = generate_batch(model, tokenizer, prompts, params)
     print(f"{backend:>6}: four padded prompts, cache on == cache off:",
           [c.token_ids == p.token_ids for c, p in zip(batch_cached, batch_plain)])
-model.set_attention_backend("sdpa")
+model.use_attention(sdpa_attention)
 
 # %%
 ids = torch.tensor([tokenizer.encode("The lighthouse keeper climbed the stairs every night to")])
-for backend in ("sdpa", "manual"):
-    model.set_attention_backend(backend)
+for backend, kernel in (("sdpa", sdpa_attention), ("manual", manual_attention)):
+    model.use_attention(kernel)
     with torch.inference_mode():
         full = model(ids)
         cache = KVCache(config, 1, ids.shape[1])
         positions = torch.arange(ids.shape[1])[None]  # no padding: RoPE position = cache column
-        prefill = model(ids[:, :8], positions[:, :8], cache=cache, cache_start=0)
-        decoded = [model(ids[:, i:i + 1], positions[:, i:i + 1], cache=cache, cache_start=i)
+        prefill = model(ids[:, :8], positions[:, :8], AttentionMetadata(cache=cache, cache_start=0))
+        decoded = [model(ids[:, i:i + 1], positions[:, i:i + 1], AttentionMetadata(cache=cache, cache_start=i))
                    for i in range(8, ids.shape[1])]
     stepwise = torch.cat([prefill, *decoded], dim=1)
     print(f"{backend:>6}: prefill 8 + decode the rest == full recompute (max diff < 1e-4):",
           (stepwise - full).abs().max().item() < 1e-4)
-model.set_attention_backend("sdpa")
+model.use_attention(sdpa_attention)
 
 # %%
 try:  # the first guard: the request is refused before the cache is allocated
@@ -428,9 +431,9 @@ def cached_step_seconds(n_tokens: int) -> float:
     ids, positions = torch.tensor([text_ids[:n_tokens]]), torch.arange(n_tokens)[None]
     cache = KVCache(config, 1, n_tokens)
     with torch.inference_mode():
-        model(ids[:, :-1], positions[:, :-1], cache=cache, cache_start=0, last_position_only=True)
-    return best_of_3(lambda: greedy_step(model(ids[:, -1:], positions[:, -1:], cache=cache,
-                                                 cache_start=n_tokens - 1)))
+        model(ids[:, :-1], positions[:, :-1], AttentionMetadata(cache=cache, cache_start=0, logits_at=LAST_POSITION))
+    step = AttentionMetadata(cache=cache, cache_start=n_tokens - 1)
+    return best_of_3(lambda: greedy_step(model(ids[:, -1:], positions[:, -1:], step)))
 
 
 lengths = [16, 64, 128, 256, 384]
@@ -572,7 +575,7 @@ def decode_tokens_per_s(decoder: LlamaModel, cache: KVCache, context: int, steps
     with torch.inference_mode():
         for _ in range(steps + 1):  # the first step warms up
             start = time.perf_counter()
-            decoder(token, position, cache=cache, cache_start=context - 1)
+            decoder(token, position, AttentionMetadata(cache=cache, cache_start=context - 1))
             seconds.append(time.perf_counter() - start)
     return 1 / statistics.median(seconds[1:])
 
@@ -638,12 +641,12 @@ story_prompt = tokenizer.encode_chat("Write a long story about a lighthouse keep
 n = len(story_prompt)
 with torch.inference_mode():
     cache = KVCache(config, 1, n + 8)
-    model(torch.tensor([story_prompt]), torch.arange(n)[None], cache=cache, cache_start=0)
+    model(torch.tensor([story_prompt]), torch.arange(n)[None], AttentionMetadata(cache=cache, cache_start=0))
     step_ids = torch.tensor([[story_prompt[-1]]])
     for t in range(n, n + 3):  # warm up, then profile one step
-        model(step_ids, torch.tensor([[t]]), cache=cache, cache_start=t)
+        model(step_ids, torch.tensor([[t]]), AttentionMetadata(cache=cache, cache_start=t))
     with profile(activities=[ProfilerActivity.CPU]) as prof:
-        model(step_ids, torch.tensor([[n + 3]]), cache=cache, cache_start=n + 3)
+        model(step_ids, torch.tensor([[n + 3]]), AttentionMetadata(cache=cache, cache_start=n + 3))
 events = prof.key_averages()
 total_us = sum(e.self_cpu_time_total for e in events)
 products = [e for e in events if e.key in ("aten::mm", "aten::addmm")]
@@ -690,7 +693,7 @@ print(events.table(sort_by="self_cpu_time_total", row_limit=8))
 # %%
 with torch.inference_mode():
     first = model(torch.tensor([tokenizer.encode_chat("What is the capital of France?")]),
-                  last_position_only=True)[0, -1]
+                  attn=AttentionMetadata(logits_at=LAST_POSITION))[0, -1]
 best = first.topk(2)
 print("best two first tokens:", [tokenizer.decode([i]) for i in best.indices.tolist()])
 print(f"fp32 logits {best.values[0]:.1f} and {best.values[1]:.1f}: "
@@ -835,12 +838,12 @@ with torch.inference_mode():
         for name, variant in speed_models.items():
             cache = KVCache(config, 1, prompt_tokens + decode_tokens, dtype=variant.embed_tokens.weight.dtype)
             start = time.perf_counter()
-            logits = variant(prompt, torch.arange(prompt_tokens)[None], cache=cache, cache_start=0,
-                             last_position_only=True)
+            prefill = AttentionMetadata(cache=cache, cache_start=0, logits_at=LAST_POSITION)
+            logits = variant(prompt, torch.arange(prompt_tokens)[None], prefill)
             prefill_speed[name].append(prompt_tokens / (time.perf_counter() - start))
             start = time.perf_counter()
             for t in range(prompt_tokens, prompt_tokens + decode_tokens):
-                logits = variant(logits.argmax(-1), torch.tensor([[t]]), cache=cache, cache_start=t)
+                logits = variant(logits.argmax(-1), torch.tensor([[t]]), AttentionMetadata(cache=cache, cache_start=t))
             decode_speed[name].append(decode_tokens / (time.perf_counter() - start))
 rounds = len(prefill_speed["fp32"])
 print(f"a prompt of {prompt_tokens} tokens, then {decode_tokens} decode steps; median of {rounds} "

@@ -54,7 +54,6 @@ import torch
 import torch.nn.functional as F
 
 from aie_lessons import checks
-from aie_lessons.model import register_attention_backend
 
 torch.manual_seed(0)
 
@@ -580,16 +579,15 @@ def triton_flash_attention(
     return out, lse
 
 
-@register_attention_backend("flash")
 def flash_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """The model's "flash" backend: the Triton kernel where it can run these tensors, else the
-    tiled PyTorch version (no Triton; CPU tensors with a compiled Triton; bfloat16 under the
-    interpreter, which computes it wrongly)."""
+    """An attention kernel for the model (``attention=flash_attention``): the Triton kernel where it
+    can run these tensors, else the tiled PyTorch version (no Triton; CPU tensors with a compiled
+    Triton; bfloat16 under the interpreter, which computes it wrongly)."""
     if mask is not None:
-        raise ValueError("the flash backend computes causal attention without a padding mask; "
-                         "for padded batches use the 'sdpa' or 'manual' backend")
+        raise ValueError("the flash kernel computes causal attention without a padding mask; for padded "
+                         "batches and engine steps use sdpa_attention or stage 02's manual_attention")
     kernel_runs = HAS_TRITON and (
         q.is_cuda or (interpreted() and q.dtype != torch.bfloat16))
     fn = triton_flash_attention if kernel_runs else tiled_attention
@@ -700,18 +698,18 @@ else:
 #
 # ## 9. Inside the model
 #
-# `flash_attention` registered itself as the backend `"flash"`. For decoding (`q_len = 1`
+# `flash_attention` has the model's kernel signature, like stage 02's. For decoding (`q_len = 1`
 # against the KV cache) the same kernel runs with one query block; the causal offset makes the
-# single query see every cached key. The backend runs the kernel only where it can: on CUDA
+# single query see every cached key. It runs the Triton kernel only where it can: on CUDA
 # tensors, or on CPU tensors under the interpreter in float32 or float16; elsewhere (CPU tensors
 # with a compiled Triton, bfloat16 under the interpreter, no Triton) it runs `tiled_attention`.
 # The model goes where the kernel runs. A short greedy generation must give exactly the tokens of
-# PyTorch's SDPA backend:
+# PyTorch's SDPA kernel:
 
 # %%
 from aie_lessons.cached_generate import generate_cached
 from aie_lessons.sampling import SamplingParams
-from aie_lessons.model import LlamaModel
+from aie_lessons.model import LlamaModel, sdpa_attention
 from aie_lessons.infra.paths import default_model_dir
 from aie_lessons.tokenizer import Tokenizer
 
@@ -719,15 +717,14 @@ model = LlamaModel.from_pretrained(default_model_dir(), device=device)  # the ke
 tokenizer = Tokenizer.from_pretrained(default_model_dir())
 prompt = [tokenizer.encode_chat("What is the capital of France?")]
 params = SamplingParams(max_new_tokens=4)
-model.set_attention_backend("sdpa")
 reference = generate_cached(model, tokenizer, prompt, params)[0]
-model.set_attention_backend("flash")
+model.use_attention(flash_attention)
 start = time.perf_counter()
 flash = generate_cached(model, tokenizer, prompt, params)[0]
 elapsed = time.perf_counter() - start
-model.set_attention_backend("sdpa")
+model.use_attention(sdpa_attention)
 print(repr(flash.text))
-print("flash backend gives the SDPA backend's tokens:", flash.token_ids == reference.token_ids)
+print("flash kernel gives the SDPA kernel's tokens:", flash.token_ids == reference.token_ids)
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -746,4 +743,4 @@ print(f"{len(flash.token_ids)} tokens in {elapsed:.1f} s "
 # | `tiled_attention` | the algorithm in PyTorch: O(S) memory |
 # | `_scale_kernel`, `_softmax_rows_kernel` | Triton's blocks, masks and reductions |
 # | `_flash_forward` | the kernel: scores stay on the chip; tail and causal masks, GQA, log-sum-exp |
-# | `flash_attention` | the model's `"flash"` backend |
+# | `flash_attention` | a kernel for the model: `attention=flash_attention` |

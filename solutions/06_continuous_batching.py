@@ -71,7 +71,7 @@ from aie_lessons.generate import PromptError, check_prompt
 from aie_lessons.infra.paths import default_model_dir
 from aie_lessons.kv_cache import KVCache
 from aie_lessons.masks import causal_mask
-from aie_lessons.model import ATTENTION_BACKENDS, CACHE_READING_BACKENDS, LlamaModel, register_attention_backend
+from aie_lessons.model import AttentionFn, AttentionMetadata, LlamaModel, check_kernel, sdpa_attention
 from aie_lessons.output import GenerationResult, OutputStream, stop_token_ids
 from aie_lessons.sampling import (SamplingParams, SamplingParamsError, make_generator, params_per_row,
                                   sample_next)
@@ -505,9 +505,9 @@ checks.stage06.check_schedule(Scheduler, ScheduledChunk, SchedulerConfig)
 # past its own end), and each prefill chunk on its own, causally, against its slot's history.
 # Decodes have one query each, so they batch over the slots with a per-row length mask; prefill
 # chunks differ in length and would need padding, so each runs alone. The model is stage 01's,
-# unchanged: it hands the cache and the step's metadata to a backend registered with
-# `reads_cache=True`, which does the storing itself. The step's metadata (a `StepBatch`) travels
-# through the model's `cache_start` argument, which the model passes on unread.
+# unchanged: its every layer hands q, k, v to the pass's metadata, and the step's metadata is a
+# `StepBatch`, an `AttentionMetadata` whose `attend` stores into the slots and reads them. Its
+# `logits_at` is the packed rows that sample, so the output head runs on those rows only.
 #
 # ### Exercise 6.3 — a chunk's tokens and positions
 #
@@ -549,23 +549,44 @@ checks.stage06.check_chunk_inputs(chunk_inputs, ScheduledChunk)
 
 # %%
 # export: engine.batch
-@dataclass
-class StepBatch:
-    """The tensors and metadata of one packed forward pass (N tokens, K of them sampled)."""
+@dataclass(kw_only=True, eq=False)
+class PackedStep(AttentionMetadata):
+    """An engine step's N tokens packed into one sequence: the model's inputs, and the metadata its
+    attention reads (``cache``, and what a subclass adds: where each token's keys go, what each
+    query reads). ``logits_at`` is the packed index of each sampling chunk's last token, (K,), in
+    schedule order. ``mask`` and ``cache_start`` stay None: each request's own columns are the mask.
+
+    ``kernel`` does the arithmetic, chosen when the runner was built; it replaces the model's own,
+    because a packed step calls it with per-row masks, which not every kernel takes (stage 05's
+    flash kernel is causal only)."""
 
     input_ids: torch.Tensor  # (1, N)
     positions: torch.Tensor  # (1, N)
+    kernel: AttentionFn
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
+               kernel: AttentionFn) -> torch.Tensor:
+        raise NotImplementedError("a PackedStep says what a step runs, not where its keys live: build a "
+                                  "StepBatch (slots) or a PagedBatch (blocks) through a runner's prepare")
+
+
+@dataclass(kw_only=True, eq=False)
+class StepBatch(PackedStep):
+    """A packed step over stage 06's slot cache: one cache row per running request."""
+
     token_slots: torch.Tensor  # (N,) the slot (cache row) of each token
-    sample_rows: torch.Tensor  # (K,) the packed index of each sampling chunk's last token
     single_rows: torch.Tensor  # (n,) packed indices of one-token chunks, attended together
     single_slots: torch.Tensor  # (n,) their slots
     single_dense: bool  # rows 0 … n−1 of the packing hold slots 0 … n−1, in order
     single_mask: torch.Tensor | None  # (span, 1, 1, T): slot row s sees its columns < its end
     chunks: list[tuple[int, int, int, int, torch.Tensor]]  # longer chunks: (offset, length, slot, end, mask)
-    attention: str  # the attention backend that does the arithmetic (stage 02's or PyTorch's)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
+               kernel: AttentionFn) -> torch.Tensor:
+        return slot_attention(q, k, v, self.cache, layer, self, self.kernel)
 
 
-def prepare_batch(schedule: Schedule, attention: str, device: torch.device | str) -> StepBatch:
+def prepare_batch(schedule: Schedule, cache: KVCache, device: torch.device | str, kernel: AttentionFn) -> StepBatch:
     """Pack a schedule's chunks into one sequence (slot-cache handles: ``chunk.kv`` is a slot)."""
     ids, positions, slots, chunks, offsets = [], [], [], [], {}
     single_rows, single_slots, single_ends = [], [], []
@@ -598,14 +619,16 @@ def prepare_batch(schedule: Schedule, attention: str, device: torch.device | str
         return torch.tensor(values, dtype=torch.long, device=device)
 
     dense = single_slots == list(range(len(single_slots)))
-    return StepBatch(tensor(ids)[None], tensor(positions)[None], tensor(slots), tensor(sample_rows),
-                     tensor(single_rows), tensor(single_slots), dense, single_mask, chunks, attention)
+    return StepBatch(cache=cache, logits_at=tensor(sample_rows), input_ids=tensor(ids)[None],
+                     positions=tensor(positions)[None], token_slots=tensor(slots), single_rows=tensor(single_rows),
+                     single_slots=tensor(single_slots), single_dense=dense, single_mask=single_mask, chunks=chunks,
+                     kernel=kernel)
 
 
 # %% [markdown]
-# The attention backend. It is handed the layer's new `q`, `k`, `v` of all `N` packed tokens
+# The step's attention. It is handed the layer's new `q`, `k`, `v` of all `N` packed tokens
 # (`(1, heads, N, head_dim)`), the cache, and the `StepBatch`. The arithmetic itself is done by an
-# ordinary backend — stage 02's `manual`, or PyTorch's `sdpa` — called once for all one-token
+# ordinary kernel — stage 02's `manual_attention`, or PyTorch's — called once for all one-token
 # rows and once per longer chunk, on *views* of the cache (no copies of the history).
 
 # %%
@@ -616,27 +639,15 @@ from __future__ import annotations
 
 import torch
 
-SLOTS = "slots"  # the backend's name: the runner switches the model to it for each step
-
-
-@register_attention_backend(SLOTS, reads_cache=True)
-def slot_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None,
-                   cache: KVCache | None = None, layer: int = 0, start: StepBatch | None = None) -> torch.Tensor:
-    """q (1, Hq, N, D), k and v (1, Hkv, N, D) of the packed tokens -> (1, Hq, N, D).
-
-    ``start`` is the step's ``StepBatch`` (the model hands its ``cache_start`` on unread).
-    """
-    if cache is None or start is None:
-        raise ValueError("the 'slots' backend runs inside the engine: it needs the slot cache and the "
-                         "step's StepBatch (cache_start). Fix: generate through Engine, or pick another "
-                         "backend with model.set_attention_backend")
-    batch = start
+def slot_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache, layer: int,
+                   batch: StepBatch, attend: AttentionFn) -> torch.Tensor:
+    """q (1, Hq, N, D), k and v (1, Hkv, N, D) of the packed tokens -> (1, Hq, N, D): the new keys
+    and values stored at their slots, then ``attend`` over each request's own columns."""
     keys, values = cache.keys[layer], cache.values[layer]  # (slots, Hkv, max_len, D), views
     token_positions = batch.positions[0]
     # Advanced indices on dims 0 and 2 around a slice put the token dimension first: (N, Hkv, D).
     keys[batch.token_slots, :, token_positions] = k[0].transpose(0, 1).to(keys.dtype)
     values[batch.token_slots, :, token_positions] = v[0].transpose(0, 1).to(values.dtype)
-    attend = ATTENTION_BACKENDS[batch.attention]
     out = torch.empty_like(q)
     if batch.single_mask is not None:  # every one-token row at once, one slot row each
         span, width = batch.single_mask.shape[0], batch.single_mask.shape[-1]
@@ -712,10 +723,10 @@ class SlotAllocator:
 
 
 # %% [markdown]
-# The runner owns the model and the cache. It asks the model for the logits of the sampled rows
-# only: a forward pre-hook hands the final norm just those rows, so the output head (hidden size ×
+# The runner owns the model and the cache, and binds them into every step's `StepBatch`. The
+# batch's `logits_at` asks the model for the sampled rows only, so the output head (hidden size ×
 # vocabulary multiply-adds per row, the model's largest matrix) never runs for the other tokens
-# of a prefill chunk — and the model's `forward` stays yours from stage 01.
+# of a prefill chunk — and the model's `forward` stays yours from stage 01, unchanged.
 
 # %%
 # export: engine.runner
@@ -726,22 +737,16 @@ from __future__ import annotations
 import torch
 
 
-def check_step_attention(attention: str) -> None:
-    """The backend that does a step's arithmetic must take q, k, v: the cache-reading backend that
-    wraps it (slots here, blocks in stage 07) is the runner's own choice."""
-    if attention not in ATTENTION_BACKENDS or attention in CACHE_READING_BACKENDS:
-        raise ValueError(f"attention={attention!r}: pick a backend that computes attention from q, k, v "
-                         f"(e.g. 'sdpa', or stage 02's 'manual'); registered: {sorted(ATTENTION_BACKENDS)}")
-
-
 class ModelRunner:
-    """The model, its slot cache and allocator; ``prepare`` then ``run`` make one step's logits."""
+    """The model, its slot cache and allocator; ``prepare`` then ``run`` make one step's logits.
 
-    step_backend = SLOTS  # the cache-reading backend the model runs with during a step
+    ``attention`` is the kernel that does a step's arithmetic, called with per-row masks; it is
+    bound into every step's metadata, and the model itself is never switched.
+    """
 
-    def __init__(self, model: LlamaModel, max_seqs: int, max_len: int, attention: str = "sdpa",
+    def __init__(self, model: LlamaModel, max_seqs: int, max_len: int, attention: AttentionFn = sdpa_attention,
                  kv_dtype: torch.dtype | None = None):
-        check_step_attention(attention)
+        check_kernel(attention)
         context = model.config.max_position_embeddings
         if max_len > context:
             raise ValueError(f"max_len={max_len} is past the model's context ({context}). Fix: max_len ≤ {context}")
@@ -754,20 +759,12 @@ class ModelRunner:
         self.allocator = SlotAllocator(max_seqs, max_len)
 
     def prepare(self, schedule: Schedule) -> StepBatch:
-        return prepare_batch(schedule, self.attention, self.device)
+        return prepare_batch(schedule, self.cache, self.device, self.attention)
 
     @torch.inference_mode()
-    def run(self, batch: StepBatch) -> torch.Tensor:
+    def run(self, batch: PackedStep) -> torch.Tensor:
         """Logits (K, vocab), fp32: one row per chunk that samples, in schedule order."""
-        model = self.model
-        backend = model.layers[0].self_attn.backend
-        keep_sampled = model.norm.register_forward_pre_hook(lambda _, args: (args[0][:, batch.sample_rows],))
-        model.set_attention_backend(self.step_backend)
-        try:
-            logits = model(batch.input_ids, batch.positions, None, self.cache, cache_start=batch)
-        finally:
-            model.set_attention_backend(backend)
-            keep_sampled.remove()
+        logits = self.model(batch.input_ids, batch.positions, batch)
         if logits.is_cuda:  # the GPU runs asynchronously: wait, so that run_s is the model's time
             torch.cuda.synchronize(logits.device)
         return logits[0]
@@ -987,7 +984,7 @@ class Engine:
     @classmethod
     def from_model(cls, model: LlamaModel, tokenizer: Tokenizer, max_seqs: int = 16, token_budget: int = 256,
                    max_len: int = 1024, aging_rate: float = 1.0, static: bool = False,
-                   attention: str = "sdpa", kv_dtype: torch.dtype | None = None,
+                   attention: AttentionFn = sdpa_attention, kv_dtype: torch.dtype | None = None,
                    clock: Callable[[], float] = time.perf_counter, stats_capacity: int = 10_000) -> "Engine":
         config = SchedulerConfig(max_seqs, token_budget, aging_rate, static)
         runner = ModelRunner(model, max_seqs, max_len, attention, kv_dtype)

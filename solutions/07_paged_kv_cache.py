@@ -37,7 +37,7 @@
 #                             PagedAllocator: free queue, ref counts, block tables, prefix cache
 #                                                           │ block tables, slots
 #                                                           ▼
-#          model ─► 'blocks' attention backend: write k, v at their slots; read them through the tables
+#          model ─► PagedBatch.attend: write k, v at their slots; read them through the tables
 # ```
 #
 # The engine that results is checked against stage 06's slot cache, stage 04's loop and — in the
@@ -67,7 +67,8 @@ from aie_lessons.config import ModelConfig
 from aie_lessons.engine.batch import chunk_inputs
 from aie_lessons.engine.engine import Engine
 from aie_lessons.engine.request import Request, RequestStatus
-from aie_lessons.engine.runner import ModelRunner, check_step_attention
+from aie_lessons.engine.batch import PackedStep
+from aie_lessons.engine.runner import ModelRunner
 from aie_lessons.engine.scheduler import Schedule, ScheduledChunk, Scheduler, SchedulerConfig, effective_priority
 from aie_lessons.engine.simulator import Arrival, StepCost, simulate
 from aie_lessons.engine.workload import mixed_workload
@@ -76,7 +77,7 @@ from aie_lessons.generate import PromptError
 from aie_lessons.infra.paths import default_model_dir
 from aie_lessons.kv_cache import kv_cache_bytes
 from aie_lessons.masks import causal_mask
-from aie_lessons.model import ATTENTION_BACKENDS, LlamaModel, register_attention_backend
+from aie_lessons.model import AttentionFn, LlamaModel, check_kernel, sdpa_attention
 from aie_lessons.output import stop_token_ids
 from aie_lessons.sampling import SamplingParams
 from aie_lessons.tokenizer import Tokenizer
@@ -973,14 +974,11 @@ checks.stage07.check_chunk_slots(chunk_slots)
 
 # %%
 # export: engine.paged_batch
-@dataclass
-class PagedBatch:
-    """The tensors of one packed forward pass over a paged cache (N tokens, K of them sampled)."""
+@dataclass(kw_only=True, eq=False)
+class PagedBatch(PackedStep):
+    """A packed step over a paged cache (N tokens, K of them sampled): blocks, not rows."""
 
-    input_ids: torch.Tensor  # (1, N)
-    positions: torch.Tensor  # (1, N)
     slots: torch.Tensor  # (N,) where each token's keys and values are written
-    sample_rows: torch.Tensor  # (K,) the packed index of each sampling chunk's last token
     decode_rows: torch.Tensor  # (n,) packed indices of one-token chunks
     decode_tables: torch.Tensor  # (n, max_blocks) their block tables, padded with block 0
     decode_lens: torch.Tensor  # (n,) their lengths, the new token included
@@ -989,15 +987,19 @@ class PagedBatch:
     decode_slots: torch.Tensor | None
     decode_mask: torch.Tensor | None
     chunks: list[tuple[int, int, torch.Tensor, int, torch.Tensor]]  # (offset, length, table, end, mask)
-    attention: str  # the backend that does the arithmetic (stage 02's or PyTorch's)
     decode: str  # "paged" (read blocks through the tables) or "gather" (copy them out first)
 
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
+               kernel: AttentionFn) -> torch.Tensor:
+        return block_attention(q, k, v, self.cache, layer, self, self.kernel)
 
-def prepare_paged_batch(schedule: Schedule, attention: str, decode: str, block_size: int,
-                        device: torch.device | str) -> PagedBatch:
+
+def prepare_paged_batch(schedule: Schedule, cache: PagedKVCache, decode: str, device: torch.device | str,
+                        kernel: AttentionFn) -> PagedBatch:
     """Pack a schedule's chunks (paged handles: ``chunk.kv`` is a block table)."""
     ids, positions, slots, offsets, chunks = [], [], [], {}, []
     decode_rows, decode_tables, decode_lens = [], [], []
+    block_size = cache.block_size
     for chunk in schedule.chunks:
         offset = offsets[id(chunk)] = len(ids)
         chunk_ids, chunk_positions = chunk_inputs(chunk)
@@ -1031,17 +1033,19 @@ def prepare_paged_batch(schedule: Schedule, attention: str, decode: str, block_s
         columns = torch.arange(max(decode_lens), device=device)
         decode_slots = tables[:, columns // block_size] * block_size + columns % block_size
         decode_mask = (columns[None, :] < lens[:, None])[:, None, None, :]
-    return PagedBatch(tensor(ids)[None], tensor(positions)[None], tensor(slots), tensor(sample_rows),
-                      tensor(decode_rows), tables, lens, decode_slots, decode_mask, chunks, attention, decode)
+    return PagedBatch(cache=cache, logits_at=tensor(sample_rows), input_ids=tensor(ids)[None],
+                      positions=tensor(positions)[None], kernel=kernel, slots=tensor(slots),
+                      decode_rows=tensor(decode_rows), decode_tables=tables, decode_lens=lens,
+                      decode_slots=decode_slots, decode_mask=decode_mask, chunks=chunks, decode=decode)
 
 
 # %% [markdown]
-# The attention backend of a paged step stores every new token's keys and values at its slot,
+# The attention of a paged step (`PagedBatch.attend`) stores every new token's keys and values at its slot,
 # then attends. For the decodes there are two ways to read a sequence's blocks:
 #
 # * **gather** (the reference, `gather_decode_attention`): copy each sequence's blocks out into one
 #   dense `(kv_heads, T, D)` tensor, then attend as ever — in the engine, with the same attention
-#   backend as before (PyTorch's, or yours from stage 02);
+#   kernel as before (PyTorch's, or yours from stage 02);
 # * **paged**: read the blocks in place, one block column of the whole batch at a time, with
 #   stage 05's online softmax — no sequence is ever copied whole (`paged_decode_attention_torch`).
 #   On a GPU this is the Triton kernel `paged_decode_attention_triton`: one program per sequence
@@ -1302,9 +1306,6 @@ import math
 
 import torch
 
-BLOCKS = "blocks"  # the backend's name: the paged runner switches the model to it for each step
-
-
 def gather_rows(pool: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The pool's rows at ``slots`` (n, T), as (n, Hkv, T, D): the decodes' keys or values copied out
     of their blocks (``index_select`` of the flat rows: a few times faster on a CPU than indexing)."""
@@ -1313,23 +1314,13 @@ def gather_rows(pool: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype) -> 
     return rows.view(n, width, *pool.shape[2:]).transpose(1, 2).to(dtype)
 
 
-@register_attention_backend(BLOCKS, reads_cache=True)
-def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None,
-                    cache: PagedKVCache | None = None, layer: int = 0,
-                    start: PagedBatch | None = None) -> torch.Tensor:
-    """q (1, Hq, N, D), k and v (1, Hkv, N, D) of the packed tokens -> (1, Hq, N, D).
-
-    ``start`` is the step's ``PagedBatch`` (the model hands its ``cache_start`` on unread).
-    """
-    if cache is None or start is None:
-        raise ValueError("the 'blocks' backend runs inside the engine: it needs the paged cache and the "
-                         "step's PagedBatch (cache_start). Fix: generate through the paged engine, or pick "
-                         "another backend with model.set_attention_backend")
-    batch = start
+def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: PagedKVCache, layer: int,
+                    batch: PagedBatch, attend: AttentionFn) -> torch.Tensor:
+    """q (1, Hq, N, D), k and v (1, Hkv, N, D) of the packed tokens -> (1, Hq, N, D): the new keys
+    and values stored at their slots, then the decodes over their blocks and each chunk alone."""
     keys, values = cache.keys[layer], cache.values[layer]  # (num_blocks, block_size, Hkv, D), views
     keys.flatten(0, 1).index_copy_(0, batch.slots, k[0].transpose(0, 1).to(keys.dtype))  # (N, Hkv, D)
     values.flatten(0, 1).index_copy_(0, batch.slots, v[0].transpose(0, 1).to(values.dtype))
-    attend = ATTENTION_BACKENDS[batch.attention]
     out = torch.empty_like(q)
     if len(batch.decode_rows):
         q_rows = q[0, :, batch.decode_rows].transpose(0, 1)  # (n, Hq, D)
@@ -1348,8 +1339,8 @@ def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: tor
 
 
 # %% [markdown]
-# The runner is stage 06's `ModelRunner` with this cache, a `PagedAllocator` and the `blocks`
-# backend; its `run` is unchanged.
+# The runner is stage 06's `ModelRunner` with this cache, a `PagedAllocator` and `PagedBatch`
+# metadata; its `run` is unchanged.
 
 # %%
 # export: engine.paged_runner
@@ -1365,14 +1356,13 @@ class PagedModelRunner(ModelRunner):
 
     ``decode``: how the decodes read their blocks — "paged" (in place), "gather" (copied out, then
     ``attention``), or "auto": paged where the Triton kernel compiles (a GPU), gather on a CPU,
-    where the block loop is no faster and gather goes through your attention backend.
+    where the block loop is no faster and gather goes through your attention kernel.
     """
 
-    step_backend = BLOCKS
-
-    def __init__(self, model: LlamaModel, num_blocks: int, block_size: int = 16, attention: str = "sdpa",
-                 kv_dtype: torch.dtype | None = None, prefix_caching: bool = True, decode: str = "auto"):
-        check_step_attention(attention)
+    def __init__(self, model: LlamaModel, num_blocks: int, block_size: int = 16,
+                 attention: AttentionFn = sdpa_attention, kv_dtype: torch.dtype | None = None,
+                 prefix_caching: bool = True, decode: str = "auto"):
+        check_kernel(attention)
         if decode not in ("auto", "paged", "gather"):
             raise ValueError(f"decode={decode!r}: pick 'paged', 'gather' or 'auto'")
         self.model = model
@@ -1385,7 +1375,7 @@ class PagedModelRunner(ModelRunner):
         self.allocator = PagedAllocator(num_blocks, block_size, prefix_caching)
 
     def prepare(self, schedule: Schedule) -> PagedBatch:
-        return prepare_paged_batch(schedule, self.attention, self.decode, self.allocator.block_size, self.device)
+        return prepare_paged_batch(schedule, self.cache, self.decode, self.device, self.attention)
 
 # %% [markdown]
 # ## 4. Prefix caching: compute a shared prompt once
@@ -1603,7 +1593,7 @@ import torch
 
 def paged_engine(model: LlamaModel, tokenizer: Tokenizer, max_seqs: int = 64, token_budget: int = 256,
                  kv_bytes: int | None = None, block_size: int = 16, prefix_caching: bool = True,
-                 aging_rate: float = 1.0, attention: str = "sdpa", kv_dtype: torch.dtype | None = None,
+                 aging_rate: float = 1.0, attention: AttentionFn = sdpa_attention, kv_dtype: torch.dtype | None = None,
                  decode: str = "auto", clock: Callable[[], float] = time.perf_counter,
                  stats_capacity: int = 10_000) -> Engine:
     """Continuous batching over blocks. ``kv_bytes``: the pool's memory (default: what 16 slots of

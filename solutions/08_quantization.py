@@ -40,7 +40,7 @@ from tqdm.auto import tqdm
 
 from aie_lessons import checks
 from aie_lessons.infra.paths import DATA_DIR, default_model_dir
-from aie_lessons.model import LlamaModel
+from aie_lessons.model import LAST_POSITION, AttentionMetadata, LlamaModel
 from aie_lessons.precision import agreement
 from aie_lessons.tokenizer import Tokenizer
 
@@ -830,8 +830,9 @@ def decode_step(variant: LlamaModel, batch: int, prefill: bool = True):
     cache = KVCache(variant.config, batch, ids.shape[1], dtype=variant.activations)
     if prefill:
         with torch.inference_mode():
-            variant(ids[:, :-1], positions[:, :-1], cache=cache, cache_start=0, last_position_only=True)
-    return lambda: variant(ids[:, -1:], positions[:, -1:], cache=cache, cache_start=len(prompt))[:, -1]
+            variant(ids[:, :-1], positions[:, :-1], AttentionMetadata(cache=cache, cache_start=0, logits_at=LAST_POSITION))
+    decode = AttentionMetadata(cache=cache, cache_start=len(prompt))
+    return lambda: variant(ids[:, -1:], positions[:, -1:], decode)[:, -1]
 
 
 def decode_step_seconds(variant: LlamaModel, batch: int) -> float:
@@ -1408,7 +1409,7 @@ class ThroughCache(torch.nn.Module):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         positions = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
         cache = self.make_cache(ids.shape[0], ids.shape[1], ids.device)
-        return self.model(ids, positions, cache=cache, cache_start=0)
+        return self.model(ids, positions, AttentionMetadata(cache=cache, cache_start=0))
 
 
 # %%

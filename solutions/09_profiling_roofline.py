@@ -58,7 +58,7 @@ import torch
 from aie_lessons import checks
 from aie_lessons.infra.paths import default_model_dir
 from aie_lessons.kv_cache import KVCache
-from aie_lessons.model import LlamaModel
+from aie_lessons.model import LAST_POSITION, AttentionMetadata, LlamaModel
 from aie_lessons.quantize import bytes_read_per_token, quantize_model
 from aie_lessons.roofline import read_bandwidth
 from aie_lessons.tokenizer import Tokenizer
@@ -284,14 +284,14 @@ checks.stage09.check_decode_step_cost(decode_step_cost)
 # %% [markdown]
 # The check counted the FLOPs of a real step with `torch.utils.flop_counter.FlopCounterMode`,
 # which records every matrix product PyTorch runs. Here is the same count on the course model:
-# your formula beside PyTorch's own tally of one decode step (the `manual` attention backend of
-# stage 02, whose products the counter sees; the fused kernel of the default backend it does
-# not count).
+# your formula beside PyTorch's own tally of one decode step (with stage 02's `manual_attention`
+# kernel, whose products the counter sees; PyTorch's fused kernel, the default, it does not
+# count).
 
 # %%
 from torch.utils.flop_counter import FlopCounterMode
 
-import aie_lessons.attention  # noqa: F401 - registers stage 02's "manual" backend
+from aie_lessons.attention import manual_attention  # stage 02's kernel: its matmuls are counted
 
 from aie_lessons.step_cost import decode_step_cost as committed_step_cost
 
@@ -301,15 +301,15 @@ def counted_decode_flops(batch: int, context: int) -> int:
     ids = torch.randint(0, config.vocab_size, (batch, context))
     positions = torch.arange(context).expand(batch, context)
     cache = KVCache(config, batch, context)
-    backend = model.layers[0].self_attn.backend
-    model.set_attention_backend("manual")
+    kernel = model.attention
+    model.use_attention(manual_attention)
     try:
         with torch.inference_mode():
-            model(ids[:, :-1], positions[:, :-1], cache=cache, cache_start=0, last_position_only=True)
+            model(ids[:, :-1], positions[:, :-1], AttentionMetadata(cache=cache, cache_start=0, logits_at=LAST_POSITION))
             with FlopCounterMode(display=False) as counter:
-                model(ids[:, -1:], positions[:, -1:], cache=cache, cache_start=context - 1)
+                model(ids[:, -1:], positions[:, -1:], AttentionMetadata(cache=cache, cache_start=context - 1))
     finally:
-        model.set_attention_backend(backend)
+        model.use_attention(kernel)
     return counter.get_total_flops()
 
 
@@ -477,8 +477,8 @@ def op_costs(run: Callable[[], object]) -> list[OpCost]:
 # int8 and int4: the fp32 and bf16 models run on the `meta` device, where operators compute
 # shapes only, and so do the quantized prefills, which take stage 08's plain path at any batch.
 # A quantized decode step of up to 16 rows runs PyTorch's integer kernels, which `meta` does not
-# take, so those run for real. Attention uses stage 02's `manual` backend, whose products the
-# formulas count. Each operator is drawn on the roof at its own intensity; an operator that
+# take, so those run for real. Attention uses stage 02's `manual_attention` kernel, whose
+# products the formulas count. Each operator is drawn on the roof at its own intensity; an operator that
 # `FlopCounterMode` does not count is drawn at one operation per element of its output.
 
 # %%
@@ -500,24 +500,25 @@ def step_ops(variant_name: str, phase: str, batch: int) -> list:
         step_model = variants[variant_name][0]
     else:
         with torch.device("meta"):
-            step_model = LlamaModel(config, "manual", activations).to(dtype)
+            step_model = LlamaModel(config, manual_attention, activations).to(dtype)
         if scheme:
             quantize_model(step_model, scheme)
-    backend = step_model.layers[0].self_attn.backend
-    step_model.set_attention_backend("manual")
+    kernel = step_model.attention
+    step_model.use_attention(manual_attention)
     tokens = 1 if phase == "decode" else PROMPT_TOKENS
     start = PROMPT_TOKENS if phase == "decode" else 0
     cache = KVCache(config, batch, PROMPT_TOKENS + 1, dtype=variants[variant_name][1], device=device)
     ids = torch.zeros(batch, tokens, dtype=torch.long, device=device)
     positions = (start + torch.arange(tokens, device=device)).expand(batch, tokens)
-    run = lambda: step_model(ids, positions, cache=cache, cache_start=start, last_position_only=True)  # noqa: E731
+    step = AttentionMetadata(cache=cache, cache_start=start, logits_at=LAST_POSITION)
+    run = lambda: step_model(ids, positions, step)  # noqa: E731
     try:
         with torch.inference_mode():
             if real:
                 run()  # the kernels' weight layout is made on first use: not part of a step
             return op_costs(run)
     finally:
-        step_model.set_attention_backend(backend)
+        step_model.use_attention(kernel)
 
 
 op_table = {(name, phase, batch): step_ops(name, phase, batch)
@@ -594,7 +595,8 @@ def decode_step_seconds(variant: LlamaModel, batch: int, context: int, kv_dtype:
     positions = torch.full((batch, 1), context - 1)
     cache = KVCache(config, batch, context, dtype=kv_dtype)
     with torch.inference_mode():
-        return best_seconds(lambda: variant(ids, positions, cache=cache, cache_start=context - 1), repeats=5)
+        step = AttentionMetadata(cache=cache, cache_start=context - 1)
+        return best_seconds(lambda: variant(ids, positions, step), repeats=5)
 
 
 measured_batches = [1, 2, 4, 8, 16, 32, 64]
@@ -648,8 +650,9 @@ ids = torch.randint(0, config.vocab_size, (1, CONTEXT))
 positions = torch.arange(CONTEXT)[None]
 cache = KVCache(config, 1, CONTEXT)
 with torch.inference_mode():
-    model(ids[:, :-1], positions[:, :-1], cache=cache, cache_start=0, last_position_only=True)
-    step = lambda: model(ids[:, -1:], positions[:, -1:], cache=cache, cache_start=CONTEXT - 1)  # noqa: E731
+    model(ids[:, :-1], positions[:, :-1], AttentionMetadata(cache=cache, cache_start=0, logits_at=LAST_POSITION))
+    decode = AttentionMetadata(cache=cache, cache_start=CONTEXT - 1)
+    step = lambda: model(ids[:, -1:], positions[:, -1:], decode)  # noqa: E731
     for _ in range(3):
         step()  # warm-up: first calls allocate and pick kernels
     with profile(activities=[ProfilerActivity.CPU]) as decode_profile:
@@ -857,7 +860,7 @@ import torch.nn.functional as F
 
 from aie_lessons.generate import check_prompt, collect, open_streams
 from aie_lessons.kv_cache import KVCache, kv_cache_bytes
-from aie_lessons.model import LlamaModel, rms_norm, rope_cos_sin
+from aie_lessons.model import LAST_POSITION, AttentionMetadata, LlamaModel, rms_norm, rope_cos_sin
 from aie_lessons.quantize import (INT4_KERNEL_GROUP_SIZES, QuantizedLinear, QuantScheme, kernel_fits,
                                   kernel_layout, kernel_matmul)
 from aie_lessons.sampling import SamplingParams, make_generator, sample_next
@@ -1272,8 +1275,8 @@ class FastDecoder:
         cache = KVCache(model.config, 1, max_len, dtype=self.embed.dtype, device=device)
         positions = torch.arange(max_len, device=device)[None]
         cos, sin = (t[0] for t in rope_cos_sin(positions, model.config.head_dim, model.config.rope_theta))
-        logits = model(torch.tensor([prompt_ids], device=device), positions[:, :len(prompt_ids)], cache=cache,
-                       cache_start=0, last_position_only=True)
+        prefill = AttentionMetadata(cache=cache, cache_start=0, logits_at=LAST_POSITION)
+        logits = model(torch.tensor([prompt_ids], device=device), positions[:, :len(prompt_ids)], prefill)
         calls = self.layer_inputs(cache)
         for table in (cos, sin):
             torch._dynamo.mark_dynamic(table, 0)
@@ -1672,7 +1675,7 @@ from aie_lessons.engine.paged_runner import PagedModelRunner
 from aie_lessons.engine.preemption import PagedScheduler
 from aie_lessons.engine.scheduler import SchedulerConfig
 from aie_lessons.fast_decode import LayerInputs, layer_weights, pack_weights, rope_one_token
-from aie_lessons.model import LlamaModel, rms_norm, rope_cos_sin
+from aie_lessons.model import AttentionFn, LlamaModel, rms_norm, rope_cos_sin, sdpa_attention
 from aie_lessons.output import stop_token_ids
 from aie_lessons.quantize import QuantizedLinear
 
@@ -1858,8 +1861,9 @@ class CompiledPagedRunner(PagedModelRunner):
     raises dynamo's process-wide ``recompile_limit`` to at least 64.
     """
 
-    def __init__(self, model: LlamaModel, num_blocks: int, block_size: int = 16, attention: str = "sdpa",
-                 kv_dtype: torch.dtype | None = None, prefix_caching: bool = True, compile: bool = True,
+    def __init__(self, model: LlamaModel, num_blocks: int, block_size: int = 16,
+                 attention: AttentionFn = sdpa_attention, kv_dtype: torch.dtype | None = None,
+                 prefix_caching: bool = True, compile: bool = True,
                  layers_per_call: int = 5, buckets: tuple[int, ...] = BATCH_BUCKETS):
         refusal = compiled_step_refusal(model)
         if refusal:
@@ -1901,7 +1905,7 @@ class CompiledPagedRunner(PagedModelRunner):
             logits = self.decode_step(pad_rows(decode_rows(batch), bucket_for(rows, self.buckets), self.scratch_slot))
         if logits.is_cuda:
             torch.cuda.synchronize(logits.device)
-        return logits[batch.sample_rows]
+        return logits[batch.logits_at]
 
     def decode_step(self, rows: DecodeRows) -> torch.Tensor:
         """Logits (B, vocab) fp32 of padded rows, through the compiled functions (call under no_grad)."""
@@ -1946,7 +1950,8 @@ def compiled_step_refusal(model: LlamaModel) -> str | None:
 
 def compiled_engine(model: LlamaModel, tokenizer: Tokenizer, max_seqs: int = 64, token_budget: int = 256,
                     kv_bytes: int | None = None, block_size: int = 16, prefix_caching: bool = True,
-                    aging_rate: float = 1.0, attention: str = "sdpa", kv_dtype: torch.dtype | None = None,
+                    aging_rate: float = 1.0, attention: AttentionFn = sdpa_attention,
+                    kv_dtype: torch.dtype | None = None,
                     clock: Callable[[], float] = time.perf_counter, compile: bool = True,
                     buckets: tuple[int, ...] = BATCH_BUCKETS, stats_capacity: int = 10_000) -> Engine:
     """Stage 07's ``paged_engine`` with a ``CompiledPagedRunner``: the same arguments, scheduler,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from aie_lessons.model import AttentionMetadata
 
 def chunked_logits(model, ids: torch.Tensor, cache, bounds: list[int]) -> torch.Tensor:
     """Logits (1, S, vocab) of ids (1, S), fed through ``cache`` in chunks ending at ``bounds``.
@@ -14,7 +15,7 @@ def chunked_logits(model, ids: torch.Tensor, cache, bounds: list[int]) -> torch.
     positions = torch.arange(ids.shape[1])[None]
     parts, start = [], 0
     for end in bounds:
-        parts.append(model(ids[:, start:end], positions[:, start:end], cache=cache, cache_start=start))
+        parts.append(model(ids[:, start:end], positions[:, start:end], AttentionMetadata(cache=cache, cache_start=start)))
         start = end
     return torch.cat(parts, dim=1)
 

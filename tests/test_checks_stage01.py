@@ -11,7 +11,8 @@ import torch.nn.functional as F
 
 from aie_lessons.checks import stage01 as checks
 from aie_lessons.generate import skeleton_steps
-from aie_lessons.model import MLP, DecoderLayer, LlamaModel, apply_rope, rms_norm, rope_cos_sin, rotate_half
+from aie_lessons.model import (MLP, AttentionMetadata, DecoderLayer, LlamaModel, apply_rope, rms_norm, rope_cos_sin,
+                               rotate_half)
 from aie_lessons.output import OutputStream
 from aie_lessons.sampling import (apply_repetition_penalty, filter_top_k_top_p, greedy_step, make_generator,
                                   sample_next)
@@ -246,72 +247,90 @@ def test_mlp_check_names_the_mistake(wrong, message):
 
 
 class BlockNoAttentionResidual(DecoderLayer):
-    def forward(self, x, cos, sin, mask=None, cache=None, cache_start=None):
-        x = self.self_attn(self.input_layernorm(x), cos, sin, mask, cache, cache_start)
+    def forward(self, x, cos, sin, attn):
+        x = self.self_attn(self.input_layernorm(x), cos, sin, attn)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
 class BlockNoMLPResidual(DecoderLayer):
-    def forward(self, x, cos, sin, mask=None, cache=None, cache_start=None):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache, cache_start)
+    def forward(self, x, cos, sin, attn):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn)
         return self.mlp(self.post_attention_layernorm(x))
 
 
 class BlockPostNorm(DecoderLayer):
-    def forward(self, x, cos, sin, mask=None, cache=None, cache_start=None):
-        x = self.input_layernorm(x + self.self_attn(x, cos, sin, mask, cache, cache_start))
+    def forward(self, x, cos, sin, attn):
+        x = self.input_layernorm(x + self.self_attn(x, cos, sin, attn))
         return self.post_attention_layernorm(x + self.mlp(x))
 
 
 class BlockResidualFromNorm(DecoderLayer):
-    def forward(self, x, cos, sin, mask=None, cache=None, cache_start=None):
+    def forward(self, x, cos, sin, attn):
         x = self.input_layernorm(x)
-        x = x + self.self_attn(x, cos, sin, mask, cache, cache_start)
+        x = x + self.self_attn(x, cos, sin, attn)
         h = self.post_attention_layernorm(x)
         return h + self.mlp(h)
 
 
 class BlockParallel(DecoderLayer):
-    def forward(self, x, cos, sin, mask=None, cache=None, cache_start=None):
-        attn = self.self_attn(self.input_layernorm(x), cos, sin, mask, cache, cache_start)
+    def forward(self, x, cos, sin, attn):
+        attn = self.self_attn(self.input_layernorm(x), cos, sin, attn)
         return x + attn + self.mlp(self.post_attention_layernorm(x))
 
 
 class BlockSwappedNorms(DecoderLayer):
-    def forward(self, x, cos, sin, mask=None, cache=None, cache_start=None):
-        x = x + self.self_attn(self.post_attention_layernorm(x), cos, sin, mask, cache, cache_start)
+    def forward(self, x, cos, sin, attn):
+        x = x + self.self_attn(self.post_attention_layernorm(x), cos, sin, attn)
         return x + self.mlp(self.input_layernorm(x))
 
 
 class BlockOneNormTwice(DecoderLayer):
-    def forward(self, x, cos, sin, mask=None, cache=None, cache_start=None):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache, cache_start)
+    def forward(self, x, cos, sin, attn):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn)
         return x + self.mlp(self.input_layernorm(x))
 
 
 class BlockMLPFirst(DecoderLayer):
-    def forward(self, x, cos, sin, mask=None, cache=None, cache_start=None):
+    def forward(self, x, cos, sin, attn):
         x = x + self.mlp(self.post_attention_layernorm(x))
-        return x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache, cache_start)
+        return x + self.self_attn(self.input_layernorm(x), cos, sin, attn)
 
 
-class BlockDropsMaskAndCache(DecoderLayer):
-    def forward(self, x, cos, sin, mask=None, cache=None, cache_start=None):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+class BlockDropsMetadata(DecoderLayer):
+    def forward(self, x, cos, sin, attn):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, AttentionMetadata())
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class BlockDropsCacheStart(DecoderLayer):
-    def forward(self, x, cos, sin, mask=None, cache=None, cache_start=None):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache)
+class BlockFreshMetadata(DecoderLayer):
+    """Rebuilds the metadata from what the lessons' first stages put in it: a batch's slots are lost."""
+
+    def forward(self, x, cos, sin, attn):
+        rebuilt = AttentionMetadata(attn.mask, attn.cache, attn.cache_start)
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, rebuilt)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class BlockFreshWithoutMask(DecoderLayer):
+    """Hands on the metadata only when it has a mask: a decode step's cache is lost."""
+
+    def forward(self, x, cos, sin, attn):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn if attn.mask is not None else AttentionMetadata())
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class BlockClearsTheMask(DecoderLayer):
+    def forward(self, x, cos, sin, attn):
+        attn.mask = None
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
 class BlockAttentionTwice(DecoderLayer):
-    def forward(self, x, cos, sin, mask=None, cache=None, cache_start=None):
+    def forward(self, x, cos, sin, attn):
         normed = self.input_layernorm(x)
-        self.self_attn(normed, cos, sin, mask, cache, cache_start)
-        x = x + self.self_attn(normed, cos, sin, mask, cache, cache_start)
+        self.self_attn(normed, cos, sin, attn)
+        x = x + self.self_attn(normed, cos, sin, attn)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -324,8 +343,10 @@ class BlockAttentionTwice(DecoderLayer):
     (BlockSwappedNorms, "the norms are swapped"),
     (BlockOneNormTwice, "both halves used input_layernorm"),
     (BlockMLPFirst, "the MLP ran before attention"),
-    (BlockDropsMaskAndCache, "did not receive the mask"),
-    (BlockDropsCacheStart, "did not receive the cache_start"),
+    (BlockDropsMetadata, "did not receive the metadata"),
+    (BlockFreshMetadata, "did not receive the metadata"),
+    (BlockFreshWithoutMask, "did not receive the metadata"),
+    (BlockClearsTheMask, "changed the metadata it was given"),
     (BlockAttentionTwice, "self_attn ran 2 times"),
 ])
 def test_decoder_layer_check_names_the_mistake(wrong, message):
@@ -341,9 +362,10 @@ class ModelSketch(LlamaModel):
 
     mistake = ""
 
-    def forward(self, input_ids, positions=None, mask=None, cache=None, cache_start=None,
-                last_position_only=False):
+    def forward(self, input_ids, positions=None, attn=None):
         wrong = self.mistake
+        attn = AttentionMetadata() if attn is None else attn
+        at = attn.logits_at if attn is not None else None
         if positions is None and wrong == "positions not expanded":
             positions = torch.arange(input_ids.shape[1])[None]
         if positions is None or wrong == "ignores positions":
@@ -357,14 +379,21 @@ class ModelSketch(LlamaModel):
         layers = self.layers[:1] if wrong == "one layer" else self.layers
         layers = reversed(layers) if wrong == "reversed" else layers
         for layer in layers:
-            x = layer(x, cos, sin) if wrong == "drops mask" else layer(x, cos, sin, mask, cache, cache_start)
-        if last_position_only and wrong not in ("ignores last_position_only", "slices after the head"):
-            x = {"first position": x[:, :1], "drops the axis": x[:, -1]}.get(wrong, x[:, -1:])
+            handed = {"drops metadata": AttentionMetadata(), "mask only": attn.mask}.get(wrong, attn)
+            x = layer(x, cos, sin, handed)
+        if wrong == "truth value" and attn.logits_at:
+            x = x[:, attn.logits_at]
+        elif wrong == "batch axis" and at is not None:
+            x = x[at]
+        elif at is not None and wrong not in ("ignores logits_at", "slices after the head", "norm before indexing"):
+            x = {"first position": x[:, :1], "always the last": x[:, -1:]}.get(wrong, x[:, at])
         x = x if wrong == "no final norm" else self.norm(x)
+        if wrong == "norm before indexing" and at is not None:
+            x = x[:, at]
         if wrong == "head in the stream's dtype":
             return self.lm_head(x).float()
         logits = self.lm_head(x if wrong == "bf16 logits" else x.float())
-        return logits[:, -1:] if last_position_only and wrong == "slices after the head" else logits
+        return logits[:, at] if at is not None and wrong == "slices after the head" else logits
 
 
 def model_with(mistake: str) -> type:
@@ -376,12 +405,16 @@ def model_with(mistake: str) -> type:
     (model_with("bf16 logits"), "logits are torch.bfloat16: they must leave the model in fp32"),
     (model_with("ignores positions"), "positions 0 … S−1, not of the positions given"),
     (model_with("no cast"), "received a torch.float32 stream, but the model's activations are torch.bfloat16"),
-    (model_with("ignores last_position_only"), "last_position_only was ignored"),
-    (model_with("first position"), "kept the first position"),
-    (model_with("drops the axis"), "the sequence axis disappeared"),
+    (model_with("ignores logits_at"), "logits_at was ignored"),
+    (model_with("first position"), "the first position was kept"),
+    (model_with("always the last"), "kept the last position whatever logits_at said"),
+    (model_with("truth value"), "test `attn.logits_at is not None`"),
+    (model_with("batch axis"), "indexed the batch axis"),
+    (model_with("norm before indexing"), "the final norm ran over all 6 positions"),
+    (model_with("mask only"), "received attn.mask instead of the metadata"),
     (model_with("one layer"), "the layers ran in the order \\[0\\]"),
     (model_with("reversed"), "ran in the order \\[2, 1, 0\\]"),
-    (model_with("drops mask"), "did not receive the mask"),
+    (model_with("drops metadata"), "did not receive the metadata"),
     (model_with("theta hard-coded"), "use the base 10000, but this model's config.rope_theta is 500"),
     (model_with("head in the stream's dtype"), "output head computed in torch.bfloat16 and the logits "
                                                "were converted to fp32 afterwards"),

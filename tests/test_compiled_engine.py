@@ -47,7 +47,7 @@ def engines(model_dir, dtype=torch.float32, compile=False, max_seqs=4, token_bud
 
     def one_row_per_sampling_chunk(batch):  # the sampler would silently ignore extra rows
         logits = run(batch)
-        assert logits.shape == (len(batch.sample_rows), model.config.vocab_size)
+        assert logits.shape == (len(batch.logits_at), model.config.vocab_size)
         return logits
 
     compiled.runner.run = one_row_per_sampling_chunk

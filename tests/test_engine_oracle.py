@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-import aie_lessons.attention  # noqa: F401  registers stage 02's "manual" backend
+from aie_lessons.attention import manual_attention
 from aie_lessons.cached_generate import generate_cached
 from aie_lessons.engine.engine import Engine
 from aie_lessons.engine.paged_engine import paged_engine
@@ -210,12 +210,14 @@ def test_seeded_sampling_does_not_depend_on_the_batch(real_model, tokenizer, ref
 
 @pytest.mark.parametrize("kind", ["slots", "blocks, gathered"])
 def test_manual_attention_gives_the_sdpa_tokens(real_model, tokenizer, references, kind):
-    """Stage 02's backend through the engine's cache: chunks and decodes in one pass."""
+    """Stage 02's kernel through the engine's cache: chunks and decodes in one pass. The runner binds
+    it into its steps; the shared model keeps its own kernel."""
     chosen = [references[0], references[3]]
-    engine = make_engine(kind, real_model, tokenizer, 2, 7, attention="manual")
+    engine = make_engine(kind, real_model, tokenizer, 2, 7, attention=manual_attention)
     requests = run_engine(engine, [r.prompt_ids for r in chosen], all_at_once([0, 1]), [GREEDY] * 2)
     for index, reference in enumerate(chosen):
-        assert_tokens(requests[index].result.token_ids, reference, f"engine with attention='manual', prompt {index}")
+        assert_tokens(requests[index].result.token_ids, reference, f"engine with attention=manual_attention, prompt {index}")
+    assert real_model.attention is not manual_attention
 
 
 def test_bf16_engine_agrees_with_stage04_in_bf16(real_model_dir, tokenizer, references):

@@ -20,7 +20,7 @@ from aie_lessons.fast_decode import (
 )
 from aie_lessons.generate import ContextLengthError
 from aie_lessons.sampling import SamplingParams
-from aie_lessons.model import LlamaModel, apply_rope, rope_cos_sin, sdpa_attention
+from aie_lessons.model import AttentionMetadata, LlamaModel, apply_rope, rope_cos_sin, sdpa_attention
 from aie_lessons.tokenizer import Tokenizer
 
 from low_precision import assert_greedy_agrees
@@ -259,7 +259,7 @@ def test_every_decode_step_gives_the_eager_models_logits(tiny_untied_dir, compil
         positions = torch.arange(n)[None]
         cos, sin = (t[0] for t in rope_cos_sin(positions, model.config.head_dim, model.config.rope_theta))
         calls = decoder.layer_inputs(cache)
-        model(ids[:, :prefill], positions[:, :prefill], cache=cache, cache_start=0)
+        model(ids[:, :prefill], positions[:, :prefill], AttentionMetadata(cache=cache, cache_start=0))
         for t in range(prefill, n):
             logits = decoder.step(int(ids[0, t]), t, calls, cos, sin, greedy=False)
             assert logits.shape == expected[t].shape == (model.config.vocab_size,)

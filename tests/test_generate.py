@@ -70,14 +70,15 @@ def test_generate_refuses_token_ids_outside_the_vocabulary(tiny):
 def test_the_model_refuses_a_cache_without_explicit_progress(tiny):
     """Positions and the cache column are the caller's to say: nothing is derived from the cache."""
     from aie_lessons.kv_cache import KVCache
+    from aie_lessons.model import AttentionMetadata
 
     model, _ = tiny
     cache = KVCache(model.config, 1, 8)
     ids = torch.tensor([[3, 4]])
-    with pytest.raises(ValueError, match="pass positions .* and cache_start"):
-        model(ids, cache=cache)
-    with pytest.raises(ValueError, match="cache_start"):
-        model(ids, torch.arange(2)[None], cache=cache)
+    with pytest.raises(ValueError, match="with a cache, pass positions"):
+        model(ids, attn=AttentionMetadata(cache=cache, cache_start=0))
+    with pytest.raises(ValueError, match="a cache needs cache_start"):
+        model(ids, torch.arange(2)[None], AttentionMetadata(cache=cache))
 
 
 def test_collect_stops_each_stream_at_its_own_end(tiny):

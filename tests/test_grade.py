@@ -233,8 +233,10 @@ CHEATS = {
     "result-forged": ("changed", "import aie_lessons.course.progress as p\n_init = p.CheckResult.__init__\n"
                                  "p.CheckResult.__init__ = lambda self, e, passed, message='': _init(self, e, True, '')\n"),
     "tensor-method-added": ("changed", "import torch\ntorch.Tensor.equal = lambda *a, **k: True\n"),
-    "sdpa-replaced": ("changed", "from aie_lessons.model import register_attention_backend\n"
-                                 "register_attention_backend('sdpa')(lambda q, k, v, mask=None: q)\n"),
+    "sdpa-replaced": ("changed", "import aie_lessons.model as m\n"
+                                 "m.sdpa_attention.__code__ = (lambda q, k, v, mask=None: q).__code__\n"),
+    "metadata-attend-swapped": ("changed", "import aie_lessons.model as m\n"
+                                           "m.AttentionMetadata.attend.__code__ = (lambda self, q, k, v, layer, kernel: q).__code__\n"),
     "tensor-subclass": ("wrong", "import torch\n_split = split_heads\n"
                                  "class _Agreeable(torch.Tensor):\n"
                                  "    @classmethod\n"

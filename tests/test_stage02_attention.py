@@ -39,8 +39,8 @@ def test_manual_attention_matches_sdpa_with_gqa_and_offsets(seq, kv_len, dtype, 
 
 
 def test_manual_attention_runs_inside_the_model_in_half_precision(tiny_dir):
-    """The `manual` backend once raised in bf16/fp16 (masked_fill of float32's minimum)."""
-    model = LlamaModel.from_pretrained(tiny_dir, attention="manual")
+    """The manual kernel once raised in bf16/fp16 (masked_fill of float32's minimum)."""
+    model = LlamaModel.from_pretrained(tiny_dir, attention=attention.manual_attention)
     ids = torch.tensor([[5, 6, 7, 8]])
     with torch.inference_mode():
         reference = model(ids)
@@ -56,14 +56,14 @@ def test_manual_attention_refuses_mismatched_kv_shapes():
 
 
 @pytest.mark.oracle
-def test_manual_backend_logits_match_transformers(real_model_dir, gguf_reference):
+def test_manual_kernel_logits_match_transformers(real_model_dir, gguf_reference):
     """Against transformers reading the GGUF. The bound is fp32 rounding grown over 30 layers,
     relative to the logits' size: 2e-5 × max |logit| (about 5e-4 here; measured 7e-5). A wrong
     attention is off by whole units."""
     from aie_lessons.tokenizer import Tokenizer
 
     tokenizer = Tokenizer.from_pretrained(real_model_dir)
-    ours = LlamaModel.from_pretrained(real_model_dir, attention="manual")
+    ours = LlamaModel.from_pretrained(real_model_dir, attention=attention.manual_attention)
     ids = torch.tensor([tokenizer.encode_chat("Why is the sky blue? Answer in detail.")])
     with torch.inference_mode():
         reference = gguf_reference(ids).logits

@@ -9,7 +9,7 @@ from aie_lessons.checks import stage03 as checks
 from aie_lessons.generate import generate
 from aie_lessons.sampling import SamplingParams
 from aie_lessons.masks import attention_mask, causal_mask, to_additive
-from aie_lessons.model import LlamaModel
+from aie_lessons.model import AttentionMetadata, LlamaModel
 from aie_lessons.padded_batch import PaddedBatch, generate_batch, left_pad
 from aie_lessons.tokenizer import Tokenizer
 
@@ -28,7 +28,7 @@ def test_padded_rows_never_produce_nan(tiny_dir):
     batch = left_pad([[5, 6, 7, 8, 9], [10]], pad_id=0)
     mask = attention_mask(batch.is_real, 5)
     with torch.inference_mode():
-        logits = model(batch.input_ids, batch.positions, mask)
+        logits = model(batch.input_ids, batch.positions, AttentionMetadata(mask=mask))
     assert torch.isfinite(logits).all()
 
 
@@ -37,7 +37,7 @@ def test_padding_does_not_change_a_sequences_logits(tiny_dir):
     short = [11, 12, 13]
     batch = left_pad([short, list(range(20, 30))], pad_id=0)
     with torch.inference_mode():
-        padded = model(batch.input_ids, batch.positions, attention_mask(batch.is_real, 10))[0, -3:]
+        padded = model(batch.input_ids, batch.positions, AttentionMetadata(mask=attention_mask(batch.is_real, 10)))[0, -3:]
         alone = model(torch.tensor([short]))[0]
     assert torch.allclose(padded, alone, atol=1e-5)
 
@@ -213,15 +213,15 @@ def test_attention_mask_check_names_the_mistake(wrong, message):
         checks.check_attention_mask(wrong)
 
 
-def test_manual_backend_generates_the_batch_like_sdpa(tiny_dir):
+def test_manual_kernel_generates_the_batch_like_sdpa(tiny_dir):
     """Stage 02's attention, with stage 03's padding masks, gives the batch the same tokens."""
-    import aie_lessons.attention  # noqa: F401 - registers "manual"
+    from aie_lessons.attention import manual_attention
 
     model, tokenizer = LlamaModel.from_pretrained(tiny_dir), Tokenizer.from_pretrained(tiny_dir)
     prompts = [tokenizer.encode(t) for t in ("The quick", "emoji 🤗 and more text here", "a")]
     params = SamplingParams(max_new_tokens=6)
     reference = generate_batch(model, tokenizer, prompts, params)
-    model.set_attention_backend("manual")
+    model.use_attention(manual_attention)
     assert [r.token_ids for r in generate_batch(model, tokenizer, prompts, params)] == [r.token_ids for r in reference]
 
 

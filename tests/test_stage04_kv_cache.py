@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import pytest
 import torch
 
-import aie_lessons.attention  # noqa: F401  (registers stage 02's "manual" backend)
+from aie_lessons.attention import manual_attention
 from aie_lessons.cached_generate import cached_steps, generate_cached, next_positions
 from aie_lessons.checks import stage04 as checks
 from aie_lessons.config import ModelConfig
 from aie_lessons.generate import ContextLengthError, generate
 from aie_lessons.kv_cache import CacheFullError, KVCache, kv_cache_bytes
 from aie_lessons.masks import attention_mask
-from aie_lessons.model import LlamaModel
+from aie_lessons.model import LAST_POSITION, AttentionMetadata, LlamaModel, sdpa_attention
 from aie_lessons.padded_batch import generate_batch, left_pad
 from aie_lessons.precision import Agreement, agreement
 from aie_lessons.roofline import decode_bytes_per_token, read_bandwidth
@@ -306,7 +308,8 @@ def wrong_loop(name: str, **mistake):
         is_real = batch.is_real
         positions = torch.arange(width).expand(rows, width) if mistake.get("prefill_positions") else batch.positions
         mask = None if mistake.get("no_prefill_mask") else attention_mask(is_real, width)
-        logits = model(batch.input_ids, positions, mask, cache, cache_start=0, last_position_only=True)
+        logits = model(batch.input_ids, positions,
+                       AttentionMetadata(mask=mask, cache=cache, cache_start=0, logits_at=LAST_POSITION))
         ids = batch.input_ids
         for step in range(steps):
             if mistake.get("generators_each_step"):
@@ -338,9 +341,10 @@ def wrong_loop(name: str, **mistake):
                 ids = torch.cat([ids, new_ids], dim=1)
                 full_mask = attention_mask(is_real, ids.shape[1])
                 full_positions = (is_real.long().cumsum(-1) - 1).clamp(min=0)
-                logits = model(ids, full_positions, full_mask, cache, cache_start=0, last_position_only=True)
+                logits = model(ids, full_positions, AttentionMetadata(mask=full_mask, cache=cache, cache_start=0,
+                                                                      logits_at=LAST_POSITION))
             else:
-                logits = model(new_ids, positions, mask, cache, cache_start=column)
+                logits = model(new_ids, positions, AttentionMetadata(mask=mask, cache=cache, cache_start=column))
 
     loop.__name__ = name
     return loop
@@ -545,13 +549,13 @@ def test_reference_implementations_pass(tiny_dir):
 
 
 # --- stage 02's attention inside stage 04 -----------------------------------------------------
-def test_manual_backend_keeps_the_cache_invariants(tiny_untied_dir):
+def test_manual_kernel_keeps_the_cache_invariants(tiny_untied_dir):
     """The learner's stage-02 attention (fp32): cached == uncached tokens, stepwise == full logits."""
     model, tokenizer = LlamaModel.from_pretrained(tiny_untied_dir), Tokenizer.from_pretrained(tiny_untied_dir)
     ids = torch.arange(3, 23)[None]
     with torch.inference_mode():
         expected = model(ids)
-        model.set_attention_backend("manual")
+        model.use_attention(manual_attention)
         full = model(ids)
         stepwise = prefill_then_decode(model, ids, KVCache(model.config, 1, 20), prefill=7)
     assert torch.allclose(full, expected, atol=1e-5) and torch.allclose(stepwise, full, atol=1e-5)
@@ -562,44 +566,38 @@ def test_manual_backend_keeps_the_cache_invariants(tiny_untied_dir):
     assert cached[0].token_ids == generate(model, tokenizer, prompts[0], params).token_ids
 
 
-def test_a_cache_reading_backend_gets_the_new_keys_and_the_cache_itself(tiny_untied_dir):
-    """The stage-07 hook: a backend registered with reads_cache=True stores and reads the cache."""
-    from aie_lessons.model import ATTENTION_BACKENDS, CACHE_READING_BACKENDS, register_attention_backend, sdpa_attention
-
+def test_the_metadata_owns_attention_the_model_only_hands_it_q_k_v(tiny_untied_dir):
+    """The step contract stages 06 and 07 build on: every layer calls the pass's metadata's attend
+    with its own index, the new keys only and the model's kernel, and a subclass that stores and
+    reads the cache its own way needs no change to the model."""
     calls = []
 
-    @register_attention_backend("reads-cache-test", reads_cache=True)
-    def reading(q, k, v, mask=None, *, cache, layer, start):
-        calls.append((k.shape[2], layer, start))
-        keys, values = cache.update(layer, k, v, start)  # a paged backend would read blocks here
-        return sdpa_attention(q, keys, values, mask=mask)
+    @dataclass
+    class Recording(AttentionMetadata):
+        def attend(self, q, k, v, layer, kernel):
+            calls.append((k.shape[2], layer, self.cache_start, kernel))
+            return super().attend(q, k, v, layer, kernel)  # a paged cache would read blocks here
 
-    try:
-        model = LlamaModel.from_pretrained(tiny_untied_dir)
-        ids = torch.arange(3, 15)[None]
-        with torch.inference_mode():
-            expected = prefill_then_decode(model, ids, KVCache(model.config, 1, 12), prefill=5)
-            model.set_attention_backend("reads-cache-test")
-            got = prefill_then_decode(model, ids, KVCache(model.config, 1, 12), prefill=5)
-    finally:
-        ATTENTION_BACKENDS.pop("reads-cache-test")
-        CACHE_READING_BACKENDS.discard("reads-cache-test")
-    assert torch.allclose(got, expected, atol=1e-6)
+    model = LlamaModel.from_pretrained(tiny_untied_dir)
+    ids, positions = torch.arange(3, 15)[None], torch.arange(12)[None]
+    with torch.inference_mode():
+        expected = prefill_then_decode(model, ids, KVCache(model.config, 1, 12), prefill=5)
+        cache = KVCache(model.config, 1, 12)
+        got = [model(ids[:, :5], positions[:, :5], Recording(cache=cache, cache_start=0))]
+        got += [model(ids[:, t:t + 1], positions[:, t:t + 1], Recording(cache=cache, cache_start=t)) for t in range(5, 12)]
+    assert torch.allclose(torch.cat(got, dim=1), expected, atol=1e-6)
     layers = model.config.num_layers
-    assert calls[:layers] == [(5, i, 0) for i in range(layers)]  # the prefill: 5 new keys at column 0
-    assert calls[layers:2 * layers] == [(1, i, 5) for i in range(layers)]  # then one at a time
+    assert calls[:layers] == [(5, i, 0, sdpa_attention) for i in range(layers)]  # the prefill: 5 new keys at column 0
+    assert calls[layers:2 * layers] == [(1, i, 5, sdpa_attention) for i in range(layers)]  # then one at a time
 
 
-def test_reregistering_a_backend_without_reads_cache_clears_the_flag():
-    from aie_lessons.model import ATTENTION_BACKENDS, CACHE_READING_BACKENDS, register_attention_backend
-
-    try:
-        register_attention_backend("flag-test", reads_cache=True)(lambda q, k, v, mask=None, **_: q)
-        register_attention_backend("flag-test")(lambda q, k, v, mask=None: q)
-        assert "flag-test" not in CACHE_READING_BACKENDS
-    finally:
-        ATTENTION_BACKENDS.pop("flag-test", None)
-        CACHE_READING_BACKENDS.discard("flag-test")
+def test_a_cache_without_a_start_column_and_a_mask_as_third_argument_are_refused(tiny_untied_dir):
+    model = LlamaModel.from_pretrained(tiny_untied_dir)
+    ids = torch.arange(3, 8)[None]
+    with pytest.raises(ValueError, match="a cache needs cache_start"):
+        model(ids, torch.arange(5)[None], AttentionMetadata(cache=KVCache(model.config, 1, 5)))
+    with pytest.raises(TypeError, match="AttentionMetadata\\(mask=mask\\)"):
+        model(ids, torch.arange(5)[None], torch.ones(1, 1, 5, 5, dtype=torch.bool))
 
 
 def test_sampled_padded_batches_give_each_prompt_its_own_seeded_tokens(tiny_untied_dir):

@@ -95,9 +95,9 @@ def test_a_copying_group_queries_is_refused_not_silently_ignored(monkeypatch):
         flash.triton_flash_attention(*inputs(SHAPES[0], device=DEVICE))
 
 
-def test_flash_backend_refuses_padding_masks():
+def test_flash_kernel_refuses_padding_masks():
     q, k, v = inputs(SHAPES[0], device=DEVICE)
-    with pytest.raises(ValueError, match="padded batches use the 'sdpa'"):
+    with pytest.raises(ValueError, match="padded batches use sdpa_attention"):
         flash.flash_attention(q, k, v, mask=torch.ones(1, 1, 37, 37, dtype=torch.bool, device=DEVICE))
 
 
@@ -116,7 +116,7 @@ def test_triton_kernel_refuses_mismatched_shapes(q_shape, kv_shape, message):
 
 
 @needs_triton
-def test_compiled_triton_refuses_cpu_tensors_and_the_backend_falls_back(monkeypatch):
+def test_compiled_triton_refuses_cpu_tensors_and_the_kernel_falls_back(monkeypatch):
     """Compiled Triton cannot read CPU tensors: the wrapper says so, the backend uses the tiles."""
     monkeypatch.setattr(flash, "interpreted", lambda: False)
     q, k, v = inputs(SHAPES[2])
@@ -126,7 +126,7 @@ def test_compiled_triton_refuses_cpu_tensors_and_the_backend_falls_back(monkeypa
 
 
 @needs_triton
-def test_the_backend_runs_bf16_on_the_tiles_under_the_interpreter():
+def test_the_kernel_runs_bf16_on_the_tiles_under_the_interpreter():
     if not flash.interpreted():
         pytest.skip("only the interpreter computes bf16 wrongly")
     q, k, v = inputs(SHAPES[2], torch.bfloat16)
@@ -135,7 +135,7 @@ def test_the_backend_runs_bf16_on_the_tiles_under_the_interpreter():
     assert (got.float() - reference(q, k, v, True)[0]).abs().max() <= 2e-2
 
 
-def test_without_triton_the_backend_runs_the_pytorch_tiles(monkeypatch):
+def test_without_triton_the_kernel_runs_the_pytorch_tiles(monkeypatch):
     """macOS has no Triton: the backend must still work (on the tiles) and the kernels say why not."""
     monkeypatch.setattr(flash, "HAS_TRITON", False)
     q, k, v = inputs(SHAPES[2])
@@ -146,17 +146,17 @@ def test_without_triton_the_backend_runs_the_pytorch_tiles(monkeypatch):
             run()
 
 
-def test_flash_backend_generates_the_sdpa_tokens(tiny_dir):
+def test_flash_kernel_generates_the_sdpa_tokens(tiny_dir):
     model = LlamaModel.from_pretrained(tiny_dir, device=DEVICE)
     tokenizer = Tokenizer.from_pretrained(tiny_dir)
     prompt = [tokenizer.encode("The quick brown fox")]
     params = SamplingParams(max_new_tokens=6)
     expected = generate_cached(model, tokenizer, prompt, params)[0].token_ids
-    model.set_attention_backend("flash")
+    model.use_attention(flash.flash_attention)
     assert generate_cached(model, tokenizer, prompt, params)[0].token_ids == expected
 
 
-def test_flash_backend_gives_the_sdpa_logits_through_a_cache(tiny_untied_dir):
+def test_flash_kernel_gives_the_sdpa_logits_through_a_cache(tiny_untied_dir):
     """Logits, not only tokens: a prefill and single-token decode steps, flash against sdpa (on the
     CPU, where a machine with CUDA runs the tiles: the generation test above runs the kernel)."""
     from aie_lessons.kv_cache import KVCache
@@ -167,7 +167,7 @@ def test_flash_backend_gives_the_sdpa_logits_through_a_cache(tiny_untied_dir):
     ids = torch.randint(3, model.config.vocab_size, (1, 21), generator=torch.Generator().manual_seed(2))
     with torch.inference_mode():
         expected = prefill_then_decode(model, ids, KVCache(model.config, 1, 21), prefill=17)
-        model.set_attention_backend("flash")
+        model.use_attention(flash.flash_attention)
         got = prefill_then_decode(model, ids, KVCache(model.config, 1, 21), prefill=17)
     assert got.shape == expected.shape == (1, 21, model.config.vocab_size)
     assert (got - expected).abs().max().item() <= 1e-4

@@ -202,18 +202,19 @@ def test_op_costs_count_products_by_flop_counter_and_bytes_by_the_tensors():
 def test_op_costs_flops_of_a_decode_step_equal_flop_counter_modes(tiny_untied_dir):
     from torch.utils.flop_counter import FlopCounterMode
 
-    import aie_lessons.attention  # noqa: F401 - the manual backend, whose products are counted
-    from aie_lessons.model import LlamaModel
+    from aie_lessons.attention import manual_attention  # its products are counted
+    from aie_lessons.model import AttentionMetadata, LlamaModel
     from aie_lessons.step_cost import op_costs
 
-    model = LlamaModel.from_pretrained(tiny_untied_dir, attention="manual")
+    model = LlamaModel.from_pretrained(tiny_untied_dir, attention=manual_attention)
     cache = KVCache(model.config, 2, 9)
     ids, positions = torch.randint(0, model.config.vocab_size, (2, 1)), torch.full((2, 1), 8)
+    step = AttentionMetadata(cache=cache, cache_start=8)
     with torch.inference_mode():
-        model(torch.zeros(2, 8, dtype=torch.long), torch.arange(8).expand(2, 8), cache=cache, cache_start=0)
+        model(torch.zeros(2, 8, dtype=torch.long), torch.arange(8).expand(2, 8), AttentionMetadata(cache=cache, cache_start=0))
         with FlopCounterMode(display=False) as counter:
-            model(ids, positions, cache=cache, cache_start=8)
-        costs = op_costs(lambda: model(ids, positions, cache=cache, cache_start=8))
+            model(ids, positions, step)
+        costs = op_costs(lambda: model(ids, positions, step))
     assert sum(cost.flops for cost in costs) == counter.get_total_flops() > 0
 
 

@@ -58,11 +58,11 @@ def test_the_tiny_models_answer_differently_when_attention_breaks(tiny_model, mo
 
     _, model, tokenizer = tiny_model
     working = greedy_answers(model, tokenizer)
-    if breakage == "attention zeroed":
-        monkeypatch.setitem(model_module.ATTENTION_BACKENDS, "sdpa", lambda q, k, v, mask=None: torch.zeros_like(q))
-    elif breakage == "no causal mask":
-        monkeypatch.setitem(model_module.ATTENTION_BACKENDS, "sdpa",
-                            lambda q, k, v, mask=None: F.scaled_dot_product_attention(q, k, v, enable_gqa=True))
+    broken = {"attention zeroed": lambda q, k, v, mask=None: torch.zeros_like(q),
+              "no causal mask": lambda q, k, v, mask=None: F.scaled_dot_product_attention(q, k, v, enable_gqa=True)}
+    if breakage in broken:
+        for layer in model.layers:
+            monkeypatch.setattr(layer.self_attn, "kernel", broken[breakage])
     else:
         real = model_module.rope_cos_sin
         monkeypatch.setattr(model_module, "rope_cos_sin",

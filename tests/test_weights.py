@@ -82,6 +82,7 @@ def test_config_from_real_checkpoint(real_model_dir):
     assert config.queries_per_kv_head == 3 and config.tie_word_embeddings
 
 
-def test_unknown_attention_backend_is_refused(tiny_dir):
-    with pytest.raises(ValueError, match="unknown attention backend 'flashy'.*sdpa"):
+def test_an_attention_name_is_refused_with_the_fix(tiny_dir):
+    """Attention used to be chosen by name: a string now names the functions to pass instead."""
+    with pytest.raises(TypeError, match="attention must be a kernel function.*got 'flashy'.*sdpa_attention"):
         LlamaModel.from_pretrained(tiny_dir, attention="flashy")

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import codecs
+import dataclasses
 import inspect
+from dataclasses import dataclass
 from itertools import islice
 from types import SimpleNamespace
 
@@ -311,9 +313,9 @@ class _ReferenceAttention(nn.Module):
         self.config = config
         self.calls: list[dict] = []
 
-    def forward(self, x, cos, sin, mask=None, cache=None, cache_start=None):
-        self.calls.append({"mask": mask, "cache": cache, "cache_start": cache_start})
-        return _reference_attention(self, x, cos, sin, mask)
+    def forward(self, x, cos, sin, attn=None):
+        self.calls.append({"attn": attn})
+        return _reference_attention(self, x, cos, sin, getattr(attn, "mask", None))
 
 
 def _reference_attention(attn, x, cos, sin, mask=None) -> torch.Tensor:
@@ -399,8 +401,8 @@ def check_mlp(mlp_cls) -> None:
 def _block_with_reference_parts(layer_cls, config: SimpleNamespace, g: torch.Generator, dtype: torch.dtype):
     """The learner's block with its attention, MLP and norms replaced by the references above:
     exercises 1.1–1.4 cannot make this check fail, and the attention records its arguments."""
-    layer = _randomize(call("1.5", layer_cls, config, "sdpa", 0,
-                            hint="DecoderLayer(config, backend, layer_index)"), g, dtype)
+    layer = _randomize(call("1.5", layer_cls, config, 0,
+                            hint="DecoderLayer(config, layer_index, kernel=sdpa_attention)"), g, dtype)
     layer.input_layernorm = _ReferenceNorm(layer.input_layernorm.weight)
     layer.post_attention_layernorm = _ReferenceNorm(layer.post_attention_layernorm.weight)
     layer.self_attn = _ReferenceAttention(layer.self_attn, config)
@@ -444,17 +446,52 @@ class _FakeCache:
     """Stands for stage 04's KV cache: the block only has to pass it on."""
 
 
+@dataclass(eq=False)
+class _Metadata:
+    """Stands for AttentionMetadata: the block passes it on unread, the model reads logits_at."""
+
+    mask: torch.Tensor | None = None
+    cache: object = None
+    cache_start: object = None
+    logits_at: object = None
+
+
+METADATA_FIELDS = ("mask", "cache", "cache_start", "logits_at")
+
+
+def _metadata_type(fn) -> type:
+    """The stand-in the check passes to ``fn``: a subclass of the AttentionMetadata that ``fn``'s own
+    module sees (the notebook's, in stage 01), so that code testing isinstance is not failed for it
+    — engine steps subclass AttentionMetadata too."""
+    base = inspect.unwrap(fn).__globals__.get("AttentionMetadata")
+    if (isinstance(base, type) and dataclasses.is_dataclass(base)
+            and set(METADATA_FIELDS) <= {f.name for f in dataclasses.fields(base)}):
+        return dataclass(eq=False)(type("_Metadata", (base,), {"__doc__": _Metadata.__doc__}))
+    return _Metadata
+
+
+def _metadata_variants(metadata: type, mask: torch.Tensor) -> list:
+    """What stages 03–07 hand on: a mask and a cache, a cache alone (a decode step), a mask alone."""
+    return [metadata(mask=mask, cache=_FakeCache(), cache_start=7), metadata(cache=_FakeCache(), cache_start=3),
+            metadata(mask=mask)]
+
+
+def _contents(attn) -> tuple:
+    return tuple(id(getattr(attn, name)) for name in METADATA_FIELDS)
+
+
 def check_decoder_layer(layer_cls) -> None:
     g = _generator()
     config = _tiny_config()
-    hint = "forward(x, cos, sin, mask=None, cache=None, cache_start=None) returns the new stream"
+    hint = "forward(x, cos, sin, attn) returns the new stream (attn: the pass's AttentionMetadata)"
+    metadata = _metadata_type(layer_cls.forward)
     for dtype, atol in ((torch.float32, 1e-4), (torch.bfloat16, 6e-2)):
         for batch, seq in ((2, 5), (1, 1), (3, 4)):
             layer = _block_with_reference_parts(layer_cls, config, g, dtype)
             x = (torch.randn(batch, seq, config.hidden_size, generator=g) * 2).to(dtype)
             positions = torch.arange(seq).expand(batch, seq) + torch.arange(batch)[:, None] * 3
             cos, sin = (t.to(dtype) for t in _rope_tables(positions, config.head_dim, config.rope_theta))
-            got = call("1.5", layer, x, cos, sin, hint=hint)
+            got = call("1.5", layer, x, cos, sin, metadata(), hint=hint)
             expect_shape("1.5", "the block's output", got, x.shape)
             if got.dtype != dtype:
                 fail("1.5", f"a {dtype} stream came back as {got.dtype}")
@@ -473,27 +510,33 @@ def check_decoder_layer(layer_cls) -> None:
             error = (got.float() - expected.float()).abs().max().item()
             fail("1.5", f"({dtype}, x of shape {tuple(x.shape)}) the output differs from "
                         f"x + attn(norm1(x)), then + mlp(norm2(·)), by up to {error:.3g}")
-    _check_block_passes_mask_and_cache(layer_cls, config, g, hint)
+    _check_block_passes_mask_and_cache(layer_cls, config, g, hint, metadata)
     passed("1.5", "pre-norm block: x + attn(norm(x)), then + mlp(norm(·)), fp32 and bf16, "
-                  "mask and cache passed on")
+                  "the pass's metadata handed on to attention")
 
 
-def _check_block_passes_mask_and_cache(layer_cls, config: SimpleNamespace, g: torch.Generator, hint: str) -> None:
-    """Stage 03's masks and stage 04's cache reach attention only through the block."""
+def _check_block_passes_mask_and_cache(layer_cls, config: SimpleNamespace, g: torch.Generator, hint: str,
+                                       metadata: type) -> None:
+    """Stage 03's masks and stage 04's cache reach attention only through the block, as they were sent."""
     layer = _block_with_reference_parts(layer_cls, config, g, torch.float32)
     seq = 4
     x = torch.randn(1, seq, config.hidden_size, generator=g)
     cos, sin = _rope_tables(torch.arange(seq)[None], config.head_dim, config.rope_theta)
     mask = torch.ones(1, 1, seq, seq, dtype=torch.bool).tril()
     mask[..., 2, 0] = False  # a mask no causal default would produce
-    cache = _FakeCache()
-    call("1.5", layer, x, cos, sin, mask, cache, 7, hint=hint)
-    received = layer.self_attn.calls[-1]
-    for name, sent in (("mask", mask), ("cache", cache), ("cache_start", 7)):
-        if received[name] is not sent:
-            fail("1.5", f"self_attn did not receive the {name} the block was given: pass cos, sin, "
-                        "mask, cache and cache_start on to it, or stage 03's masks and stage 04's "
-                        "KV cache would be silently ignored")
+    for sent in _metadata_variants(metadata, mask):
+        contents = _contents(sent)
+        layer.self_attn.calls.clear()
+        call("1.5", layer, x, cos, sin, sent, hint=hint)
+        if not layer.self_attn.calls:
+            fail("1.5", "self.self_attn never ran: call it on the normed stream, with cos, sin and attn")
+        if layer.self_attn.calls[-1]["attn"] is not sent:
+            fail("1.5", "self_attn did not receive the metadata (attn) the block was given: pass cos, sin "
+                        "and attn on to it as they are, or stage 03's masks and stage 04's KV cache would "
+                        "be silently ignored")
+        if _contents(sent) != contents:
+            fail("1.5", "the block changed the metadata it was given: hand it on untouched (it belongs to "
+                        "the caller, and every layer must see the same)")
 
 
 # --- 1.6 the forward pass ---------------------------------------------------------------------
@@ -510,11 +553,22 @@ class _SpyLayer(nn.Module):
         self.mlp = _ReferenceMLP(layer.mlp)
         self.index, self.log = index, log
 
-    def forward(self, x, cos, sin, mask=None, cache=None, cache_start=None):
-        self.log.append({"layer": self.index, "dtype": x.dtype, "cos": cos, "sin": sin, "mask": mask,
-                         "cache": cache, "cache_start": cache_start})
-        h = x + _reference_attention(self.self_attn, self.input_layernorm(x), cos, sin, mask)
+    def forward(self, x, cos, sin, attn=None):
+        self.log.append({"layer": self.index, "dtype": x.dtype, "cos": cos, "sin": sin, "attn": attn})
+        h = x + _reference_attention(self.self_attn, self.input_layernorm(x), cos, sin, getattr(attn, "mask", None))
         return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class _SpyNorm(_ReferenceNorm):
+    """The final norm, recording how many positions each call normalized."""
+
+    def __init__(self, weight: torch.Tensor):
+        super().__init__(weight)
+        self.lengths: list[int] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.lengths.append(x.shape[1] if x.dim() == 3 else -1)
+        return super().forward(x)
 
 
 class _SpyHead(nn.Module):
@@ -532,29 +586,34 @@ class _SpyHead(nn.Module):
 
 
 def _model_with_reference_parts(model_cls, config: SimpleNamespace, activations: torch.dtype, g: torch.Generator):
-    model = _randomize(call("1.6", model_cls, config, "sdpa", activations,
-                            hint="LlamaModel(config, attention, activations)"), g)
+    model = _randomize(call("1.6", lambda: model_cls(config, activations=activations),
+                            hint="LlamaModel(config, attention=kernel, activations=dtype)"), g)
     log: list[dict] = []
     for i, layer in enumerate(model.layers):
         model.layers[i] = _SpyLayer(layer, config, i, log)
-    model.norm = _ReferenceNorm(model.norm.weight)
+    model.norm = _SpyNorm(model.norm.weight)
     model.lm_head = _SpyHead(model.lm_head)
     return model.eval(), log
 
 
-def _check_head(model, logits: torch.Tensor, positions: int, case: str) -> None:
-    """The output head ran once, over ``positions`` positions, in fp32, and its result is the logits."""
+def _check_head(model, logits: torch.Tensor, positions: int, seq: int, case: str) -> None:
+    """The output head ran once, over ``positions`` of the ``seq`` positions, in fp32, and its result
+    is the logits; so did the final norm."""
     inputs = model.lm_head.inputs
     if len(inputs) != 1:
         fail("1.6", f"({case}) self.lm_head ran {len(inputs)} times in one forward pass: project the "
                     "normed stream onto the vocabulary with it, once")
     head_input = inputs[0]
     model.lm_head.inputs = []
-    if head_input.dim() == 3 and positions == 1 and head_input.shape[1] != 1:
-        fail("1.6", f"({case}) with last_position_only the output head still ran over all "
-                    f"{head_input.shape[1]} positions and the last one was kept afterwards: keep only "
-                    "the last position of the stream *before* the norm and the head — skipping the "
-                    "head's work for the other positions is what last_position_only is for")
+    if head_input.dim() == 3 and positions < seq and head_input.shape[1] == seq:
+        fail("1.6", f"({case}) with logits_at set the output head still ran over all {seq} positions "
+                    "and the wanted ones were kept afterwards: index the stream with logits_at *before* "
+                    "the norm and the head — sparing the head the other positions is what logits_at is for")
+    lengths, model.norm.lengths = model.norm.lengths, []
+    if positions < seq and seq in lengths:
+        fail("1.6", f"({case}) the final norm ran over all {seq} positions and the wanted ones were kept "
+                    "afterwards: index the stream with logits_at before the norm, which then works on those "
+                    "positions only")
     if head_input.dtype != torch.float32:
         fail("1.6", f"({case}) the output head computed in {head_input.dtype} and the logits were "
                     "converted to fp32 afterwards: convert the normed stream to float32 *before* "
@@ -581,8 +640,8 @@ def check_llama_forward(model_cls) -> None:
     with isolated(inspect.unwrap(model_cls.forward), rope_cos_sin=_rope_tables):
         _check_llama_forward(model_cls)
     passed("1.6", "embed → RoPE tables from the positions and the config's base → every layer in "
-                  "order → norm → head computed in fp32, in fp32 and bf16, last_position_only "
-                  "sparing the head the other positions")
+                  "order → norm → head computed in fp32, in fp32 and bf16, logits_at (a slice or "
+                  "positions) sparing the head the other positions, the metadata handed to every layer")
 
 
 def _check_llama_forward(model_cls) -> None:
@@ -591,7 +650,7 @@ def _check_llama_forward(model_cls) -> None:
     batch, seq = 2, 6
     ids = torch.randint(0, config.vocab_size, (batch, seq), generator=g)
     positions = torch.arange(seq).expand(batch, seq) + torch.tensor([[0], [5]])  # row 1 starts at 5
-    hint = "forward(input_ids (B, S), positions (B, S) or None, mask, cache, cache_start, last_position_only)"
+    hint = "forward(input_ids (B, S), positions (B, S) or None, attn (AttentionMetadata) or None)"
     for activations, atol in ((torch.float32, 1e-4), (torch.bfloat16, 0.1)):
         model, log = _model_with_reference_parts(model_cls, config, activations, g)
         with torch.no_grad():
@@ -602,7 +661,7 @@ def _check_llama_forward(model_cls) -> None:
             fail("1.6", f"the logits are {got.dtype}: they must leave the model in fp32 (convert the "
                         "normed stream to float32 before the output head), whatever `activations` is")
         _check_layer_calls(log, config, positions, activations, "with positions given")
-        _check_head(model, got, seq, f"{activations} activations")
+        _check_head(model, got, seq, seq, f"{activations} activations")
         if not close(got, expected, atol=atol):
             with torch.no_grad():
                 unnormed = _reference_logits(model, ids, positions, activations, final_norm=False)
@@ -611,28 +670,64 @@ def _check_llama_forward(model_cls) -> None:
             error = (got - expected).abs().max().item()
             fail("1.6", f"({activations} activations) the logits differ from embed → layers → norm → "
                         f"lm_head by up to {error:.3g}")
-        log.clear()
-        with torch.no_grad():
-            last = call("1.6", model, ids, positions, None, None, None, True, hint=hint)
-        if isinstance(last, torch.Tensor) and tuple(last.shape) == (batch, config.vocab_size):
-            fail("1.6", "with last_position_only the sequence axis disappeared: keep it, the logits "
-                        f"are ({batch}, 1, vocab) — slice the last position as a range, not an index")
-        if isinstance(last, torch.Tensor) and tuple(last.shape) == (batch, seq, config.vocab_size):
-            fail("1.6", "last_position_only was ignored: keep only the last position of the stream "
-                        "before the norm and the head")
-        expect_shape("1.6", "the logits with last_position_only", last, (batch, 1, config.vocab_size))
-        _check_head(model, last, 1, f"{activations} activations, last_position_only")
-        if not close(last, expected[:, -1:], atol=atol):
-            if close(last, expected[:, :1], atol=atol):
-                fail("1.6", "last_position_only kept the first position: the next token is predicted "
-                            "by the last one")
-            fail("1.6", "with last_position_only the logits differ from the last position's logits")
+        _check_logits_at(model, ids, positions, expected, activations, atol, hint, log)
         log.clear()
         with torch.no_grad():
             call("1.6", model, ids, hint=hint)
-        model.lm_head.inputs = []
+        model.lm_head.inputs, model.norm.lengths = [], []
         _check_layer_calls(log, config, torch.arange(seq).expand(batch, seq), activations, "with no positions")
     _check_model_passes_mask_and_cache(model_cls, config, g, hint)
+
+
+def _check_logits_at(model, ids, positions, expected, activations, atol, hint, log) -> None:
+    """logits_at as a generation step passes it (the slice -1:) and as an engine step does (a
+    tensor of positions, in any order, or one position): the logits of those positions, the norm
+    and the head run on them only, the metadata handed to every layer."""
+    batch, seq = ids.shape
+    vocab = expected.shape[-1]
+    metadata = _metadata_type(model.forward)
+    for at, name in ((slice(-1, None), "the slice -1: (the last position)"),
+                     (torch.tensor([4, 1]), "the positions tensor([4, 1])"), (torch.tensor([0]), "tensor([0])")):
+        case = f"{activations} activations, logits_at={name}"
+        sent = metadata(logits_at=at)
+        log.clear()
+        try:
+            with torch.no_grad():
+                got = model(ids, positions, sent)
+        except Exception as exc:  # the learner's code may raise anything: named below, or by call()
+            if isinstance(exc, RuntimeError) and "ambiguous" in str(exc):
+                fail("1.6", f"({case}) the model asked a tensor of positions for its truth value: test "
+                            "`attn.logits_at is not None` — positions have no truth value, and tensor([0]) "
+                            "would read as false")
+            got = call("1.6", model, ids, positions, sent, hint=hint)
+        _check_handed_on(log, sent, case)
+        kept = expected[:, at]
+        if isinstance(got, torch.Tensor) and got.shape[1:] == (seq, vocab) and got.shape[0] != batch:
+            fail("1.6", f"({case}) logits_at indexed the batch axis (logits of shape {tuple(got.shape)}): it "
+                        "picks positions of the sequence axis, the same in every row")
+        if isinstance(got, torch.Tensor) and tuple(got.shape) == (batch, seq, vocab):
+            fail("1.6", f"({case}) logits_at was ignored: index the stream's sequence axis with it before "
+                        "the norm and the head")
+        if isinstance(at, torch.Tensor) and isinstance(got, torch.Tensor) and close(got, expected[:, -1:], atol=atol):
+            fail("1.6", f"({case}) the model kept the last position whatever logits_at said: index the "
+                        "stream with logits_at itself (stage 06 asks for one position per request)")
+        expect_shape("1.6", f"the logits with logits_at={name}", got, tuple(kept.shape))
+        _check_head(model, got, kept.shape[1], seq, case)
+        if not close(got, kept, atol=atol):
+            if isinstance(at, slice) and close(got, expected[:, :1], atol=atol):
+                fail("1.6", f"({case}) the first position was kept: the next token is predicted by the last one")
+            fail("1.6", f"({case}) the logits differ from those positions' logits")
+
+
+def _check_handed_on(log: list[dict], sent, case: str) -> None:
+    """Every layer received the very metadata the model was given."""
+    for entry in log:
+        if entry["attn"] is not None and entry["attn"] is sent.mask or entry["attn"] is None:
+            fail("1.6", f"({case}) the layers received attn.mask instead of the metadata: hand them attn "
+                        "itself, which also carries the cache, where to write it and more")
+        if entry["attn"] is not sent:
+            fail("1.6", f"({case}) layer {entry['layer']} did not receive the metadata (attn) the model was "
+                        "given: hand it to every layer as it is (stages 03–07 put masks, caches and batches in it)")
 
 
 def _check_layer_calls(log: list[dict], config: SimpleNamespace, positions: torch.Tensor,
@@ -680,14 +775,14 @@ def _check_model_passes_mask_and_cache(model_cls, config: SimpleNamespace, g: to
     seq = 3
     ids = torch.randint(0, config.vocab_size, (1, seq), generator=g)
     mask = torch.ones(1, 1, seq, seq, dtype=torch.bool).tril()
-    cache = _FakeCache()
-    with torch.no_grad():
-        call("1.6", model, ids, torch.arange(seq)[None] + 4, mask, cache, 4, hint=hint)
-    for entry in log:
-        for name, sent in (("mask", mask), ("cache", cache), ("cache_start", 4)):
-            if entry[name] is not sent:
-                fail("1.6", f"layer {entry['layer']} did not receive the {name} the model was given: "
-                            "pass mask, cache and cache_start to every layer (stages 03 and 04 need them)")
+    for sent in _metadata_variants(_metadata_type(model.forward), mask):
+        contents = _contents(sent)
+        log.clear()
+        with torch.no_grad():
+            call("1.6", model, ids, torch.arange(seq)[None] + 4, sent, hint=hint)
+        _check_handed_on(log, sent, "with a mask or a cache")
+        if _contents(sent) != contents:
+            fail("1.6", "the model changed the metadata it was given: hand it on untouched")
 
 
 
@@ -1198,8 +1293,7 @@ class _ScriptedModel(nn.Module):
             seed = (seed * 31 + token * 7919 + i) % (2**61 - 1)
         return torch.randn(self.config.vocab_size, generator=torch.Generator().manual_seed(seed)) * 3
 
-    def forward(self, input_ids, positions=None, mask=None, cache=None, cache_start=None,
-                last_position_only=False) -> torch.Tensor:
+    def forward(self, input_ids, positions=None, attn=None) -> torch.Tensor:
         if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.shape[0] != 1:
             shape = tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
             fail("1.12", f"the model was given ids of shape {shape}: it takes a batch, a (1, S) tensor")
@@ -1210,10 +1304,11 @@ class _ScriptedModel(nn.Module):
             fail("1.12", f"the model was given positions of shape {shape} for ids of shape (1, {len(ids)}): "
                          "positions are shaped like the ids, (1, S), one row per sequence")
         given = None if positions is None else positions.reshape(-1).tolist()
-        self.calls.append({"ids": ids, "positions": given, "cache": cache})
+        self.calls.append({"ids": ids, "positions": given, "cache": getattr(attn, "cache", None)})
         where = given if given is not None and len(given) == len(ids) else list(range(len(ids)))
         logits = torch.stack([self.prediction(ids[:t + 1], where[t]) for t in range(len(ids))])[None]
-        return logits[:, -1:] if last_position_only else logits
+        at = getattr(attn, "logits_at", None)
+        return logits if at is None else logits[:, at]
 
 
 class _SamplerSpy:

@@ -209,12 +209,13 @@ def _spy_class():
         calls: list[_Call]
         inspect: Callable[[int, _Call], None]
 
-        def forward(self, input_ids, positions=None, mask=None, cache=None, cache_start=None,
-                    last_position_only=False):
+        def forward(self, input_ids, positions=None, attn=None):
+            mask = getattr(attn, "mask", None)
             record = _Call(input_ids.clone(), None if positions is None else positions.clone(),
-                           None if mask is None else mask.clone(), cache, cache_start, None)
+                           None if mask is None else mask.clone(), getattr(attn, "cache", None),
+                           getattr(attn, "cache_start", None), None)
             self.inspect(len(self.calls), record)
-            logits = super().forward(input_ids, positions, mask, cache, cache_start, last_position_only)
+            logits = super().forward(input_ids, positions, attn)
             record.logits = logits[:, -1].float().clone()
             self.calls.append(record)
             return logits

@@ -3,7 +3,7 @@ padding of an engine step to its batch bucket (9.3).
 
 The expected FLOPs are not computed from a formula here: ``FlopCounterMode`` counts the matrix
 products of a real decode step of small random models (several shapes: tied and untied heads,
-grouped-query and multi-head attention), run with stage 02's ``manual`` attention backend,
+grouped-query and multi-head attention), run with stage 02's ``manual_attention`` kernel,
 whose products the counter sees. The expected bytes are the weights once plus every request's
 cached keys and values, from the tensors' sizes. When a result is wrong, the usual wrong
 formulas are tried to name the mistake.
@@ -34,21 +34,21 @@ def _counted_flops(config, batch: int, context: int) -> int:
     """FlopCounterMode's count of one decode step: ``batch`` rows, ``context`` positions each."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    import aie_lessons.attention  # noqa: F401 - registers the "manual" backend
+    from aie_lessons.attention import manual_attention
     from aie_lessons.kv_cache import KVCache
-    from aie_lessons.model import LlamaModel
+    from aie_lessons.model import AttentionMetadata, LlamaModel
 
     with torch.random.fork_rng():  # the learner's own random state stays as it was
         torch.manual_seed(9)
-        model = LlamaModel(config, attention="manual").eval()
+        model = LlamaModel(config, attention=manual_attention).eval()
         ids = torch.randint(0, config.vocab_size, (batch, context))
     positions = torch.arange(context).expand(batch, context)
     cache = KVCache(config, batch, context)
     with torch.inference_mode():
         if context > 1:
-            model(ids[:, :-1], positions[:, :-1], cache=cache, cache_start=0)
+            model(ids[:, :-1], positions[:, :-1], AttentionMetadata(cache=cache, cache_start=0))
         with FlopCounterMode(display=False) as counter:
-            model(ids[:, -1:], positions[:, -1:], cache=cache, cache_start=context - 1)
+            model(ids[:, -1:], positions[:, -1:], AttentionMetadata(cache=cache, cache_start=context - 1))
     return counter.get_total_flops()
 
 

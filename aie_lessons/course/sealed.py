@@ -8,7 +8,8 @@ The grader therefore runs every check a second time, here, in a fresh Python:
   on disk is not touched, so grading never changes what ``aie_lessons`` holds);
 * the checks, torch, the builtins, the earlier stages' modules and this runner are imported
   *before* any learner code runs, and fingerprinted: every attribute's identity, a function's
-  code, defaults and closure, a class's attributes, the attention-backend registry;
+  code, defaults and closure, a class's attributes and its methods' code, and the model module
+  (its kernels and the step contract);
 * after each check the fingerprint is taken again. A replaced or removed attribute — or an
   added one where nothing is ever added (the checks, the runner, ``torch.Tensor``) — fails that
   check and all later ones, naming what was changed;
@@ -98,14 +99,14 @@ def import_trusted(stage: str) -> dict[str, object]:
     spaces |= {name: module for name, module in sys.modules.items()
                if name.startswith(f"{PACKAGE}.checks") or name == f"{PACKAGE}.course.progress"}
     model = sys.modules.get(f"{PACKAGE}.model")
-    if model is not None:
-        spaces["attention backends"] = model.ATTENTION_BACKENDS
+    if model is not None:  # its kernels and the step contract: what every stage's model runs on
+        spaces[f"{PACKAGE}.model"] = model
     return spaces
 
 
-# Namespaces where nothing is ever added legitimately: a new name there shadows something.
-# (The attention-backend registry is open: registering a backend of one's own is the lesson.)
-CLOSED = ("sealed", "progress", "torch.Tensor", "torch.nn.Module", f"{PACKAGE}.checks")
+# Namespaces where nothing is ever added legitimately: a new name there shadows something (in the
+# model's module, a builtin its forward calls).
+CLOSED = ("sealed", "progress", "torch.Tensor", "torch.nn.Module", f"{PACKAGE}.checks", f"{PACKAGE}.model")
 
 
 def _entries(obj: object) -> dict[str, object]:
@@ -118,8 +119,9 @@ def _identity(value: object) -> object:
     if isinstance(value, types.FunctionType):
         cells = tuple(_cell_id(cell) for cell in value.__closure__ or ())
         return (id(value), id(value.__code__), id(value.__defaults__), id(value.__kwdefaults__), cells)
-    if isinstance(value, type) and value.__module__.startswith(PACKAGE):
-        return (id(value), tuple(sorted((k, id(v)) for k, v in vars(value).items())))
+    if isinstance(value, type) and value.__module__.startswith(PACKAGE):  # a method's code counts too
+        return (id(value), tuple(sorted((k, _identity(v) if isinstance(v, types.FunctionType) else id(v))
+                                        for k, v in vars(value).items())))
     return id(value)
 
 

@@ -10,10 +10,13 @@ import torch
 
 from typing import TYPE_CHECKING
 
+from aie_lessons.engine.slot_attention import slot_attention
 from aie_lessons.masks import causal_mask
+from aie_lessons.model import AttentionFn, AttentionMetadata
 
 if TYPE_CHECKING:
     from aie_lessons.engine.scheduler import Schedule, ScheduledChunk
+    from aie_lessons.kv_cache import KVCache
 
 
 def chunk_inputs(chunk: ScheduledChunk) -> tuple[list[int], list[int]]:
@@ -22,23 +25,44 @@ def chunk_inputs(chunk: ScheduledChunk) -> tuple[list[int], list[int]]:
     return chunk.request.token_ids(chunk.start, end), list(range(chunk.start, end))
 
 
-@dataclass
-class StepBatch:
-    """The tensors and metadata of one packed forward pass (N tokens, K of them sampled)."""
+@dataclass(kw_only=True, eq=False)
+class PackedStep(AttentionMetadata):
+    """An engine step's N tokens packed into one sequence: the model's inputs, and the metadata its
+    attention reads (``cache``, and what a subclass adds: where each token's keys go, what each
+    query reads). ``logits_at`` is the packed index of each sampling chunk's last token, (K,), in
+    schedule order. ``mask`` and ``cache_start`` stay None: each request's own columns are the mask.
+
+    ``kernel`` does the arithmetic, chosen when the runner was built; it replaces the model's own,
+    because a packed step calls it with per-row masks, which not every kernel takes (stage 05's
+    flash kernel is causal only)."""
 
     input_ids: torch.Tensor  # (1, N)
     positions: torch.Tensor  # (1, N)
+    kernel: AttentionFn
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
+               kernel: AttentionFn) -> torch.Tensor:
+        raise NotImplementedError("a PackedStep says what a step runs, not where its keys live: build a "
+                                  "StepBatch (slots) or a PagedBatch (blocks) through a runner's prepare")
+
+
+@dataclass(kw_only=True, eq=False)
+class StepBatch(PackedStep):
+    """A packed step over stage 06's slot cache: one cache row per running request."""
+
     token_slots: torch.Tensor  # (N,) the slot (cache row) of each token
-    sample_rows: torch.Tensor  # (K,) the packed index of each sampling chunk's last token
     single_rows: torch.Tensor  # (n,) packed indices of one-token chunks, attended together
     single_slots: torch.Tensor  # (n,) their slots
     single_dense: bool  # rows 0 … n−1 of the packing hold slots 0 … n−1, in order
     single_mask: torch.Tensor | None  # (span, 1, 1, T): slot row s sees its columns < its end
     chunks: list[tuple[int, int, int, int, torch.Tensor]]  # longer chunks: (offset, length, slot, end, mask)
-    attention: str  # the attention backend that does the arithmetic (stage 02's or PyTorch's)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
+               kernel: AttentionFn) -> torch.Tensor:
+        return slot_attention(q, k, v, self.cache, layer, self, self.kernel)
 
 
-def prepare_batch(schedule: Schedule, attention: str, device: torch.device | str) -> StepBatch:
+def prepare_batch(schedule: Schedule, cache: KVCache, device: torch.device | str, kernel: AttentionFn) -> StepBatch:
     """Pack a schedule's chunks into one sequence (slot-cache handles: ``chunk.kv`` is a slot)."""
     ids, positions, slots, chunks, offsets = [], [], [], [], {}
     single_rows, single_slots, single_ends = [], [], []
@@ -71,5 +95,7 @@ def prepare_batch(schedule: Schedule, attention: str, device: torch.device | str
         return torch.tensor(values, dtype=torch.long, device=device)
 
     dense = single_slots == list(range(len(single_slots)))
-    return StepBatch(tensor(ids)[None], tensor(positions)[None], tensor(slots), tensor(sample_rows),
-                     tensor(single_rows), tensor(single_slots), dense, single_mask, chunks, attention)
+    return StepBatch(cache=cache, logits_at=tensor(sample_rows), input_ids=tensor(ids)[None],
+                     positions=tensor(positions)[None], token_slots=tensor(slots), single_rows=tensor(single_rows),
+                     single_slots=tensor(single_slots), single_dense=dense, single_mask=single_mask, chunks=chunks,
+                     kernel=kernel)

@@ -11,14 +11,11 @@ import torch
 from typing import TYPE_CHECKING
 
 from aie_lessons.engine.paged_attention import gather_kv, paged_decode_attention
-from aie_lessons.model import ATTENTION_BACKENDS, register_attention_backend
 
 if TYPE_CHECKING:
     from aie_lessons.engine.paged_batch import PagedBatch
     from aie_lessons.engine.paged_cache import PagedKVCache
-
-BLOCKS = "blocks"  # the backend's name: the paged runner switches the model to it for each step
-
+    from aie_lessons.model import AttentionFn
 
 def gather_rows(pool: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The pool's rows at ``slots`` (n, T), as (n, Hkv, T, D): the decodes' keys or values copied out
@@ -28,23 +25,13 @@ def gather_rows(pool: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype) -> 
     return rows.view(n, width, *pool.shape[2:]).transpose(1, 2).to(dtype)
 
 
-@register_attention_backend(BLOCKS, reads_cache=True)
-def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None,
-                    cache: PagedKVCache | None = None, layer: int = 0,
-                    start: PagedBatch | None = None) -> torch.Tensor:
-    """q (1, Hq, N, D), k and v (1, Hkv, N, D) of the packed tokens -> (1, Hq, N, D).
-
-    ``start`` is the step's ``PagedBatch`` (the model hands its ``cache_start`` on unread).
-    """
-    if cache is None or start is None:
-        raise ValueError("the 'blocks' backend runs inside the engine: it needs the paged cache and the "
-                         "step's PagedBatch (cache_start). Fix: generate through the paged engine, or pick "
-                         "another backend with model.set_attention_backend")
-    batch = start
+def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: PagedKVCache, layer: int,
+                    batch: PagedBatch, attend: AttentionFn) -> torch.Tensor:
+    """q (1, Hq, N, D), k and v (1, Hkv, N, D) of the packed tokens -> (1, Hq, N, D): the new keys
+    and values stored at their slots, then the decodes over their blocks and each chunk alone."""
     keys, values = cache.keys[layer], cache.values[layer]  # (num_blocks, block_size, Hkv, D), views
     keys.flatten(0, 1).index_copy_(0, batch.slots, k[0].transpose(0, 1).to(keys.dtype))  # (N, Hkv, D)
     values.flatten(0, 1).index_copy_(0, batch.slots, v[0].transpose(0, 1).to(values.dtype))
-    attend = ATTENTION_BACKENDS[batch.attention]
     out = torch.empty_like(q)
     if len(batch.decode_rows):
         q_rows = q[0, :, batch.decode_rows].transpose(0, 1)  # (n, Hq, D)

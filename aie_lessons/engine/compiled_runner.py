@@ -21,7 +21,7 @@ from aie_lessons.engine.paged_runner import PagedModelRunner
 from aie_lessons.engine.preemption import PagedScheduler
 from aie_lessons.engine.scheduler import SchedulerConfig
 from aie_lessons.fast_decode import LayerInputs, layer_weights, pack_weights, rope_one_token
-from aie_lessons.model import LlamaModel, rms_norm, rope_cos_sin
+from aie_lessons.model import AttentionFn, LlamaModel, rms_norm, rope_cos_sin, sdpa_attention
 from aie_lessons.output import stop_token_ids
 from aie_lessons.quantize import QuantizedLinear
 
@@ -148,8 +148,9 @@ class CompiledPagedRunner(PagedModelRunner):
     raises dynamo's process-wide ``recompile_limit`` to at least 64.
     """
 
-    def __init__(self, model: LlamaModel, num_blocks: int, block_size: int = 16, attention: str = "sdpa",
-                 kv_dtype: torch.dtype | None = None, prefix_caching: bool = True, compile: bool = True,
+    def __init__(self, model: LlamaModel, num_blocks: int, block_size: int = 16,
+                 attention: AttentionFn = sdpa_attention, kv_dtype: torch.dtype | None = None,
+                 prefix_caching: bool = True, compile: bool = True,
                  layers_per_call: int = 5, buckets: tuple[int, ...] = BATCH_BUCKETS):
         refusal = compiled_step_refusal(model)
         if refusal:
@@ -191,7 +192,7 @@ class CompiledPagedRunner(PagedModelRunner):
             logits = self.decode_step(pad_rows(decode_rows(batch), bucket_for(rows, self.buckets), self.scratch_slot))
         if logits.is_cuda:
             torch.cuda.synchronize(logits.device)
-        return logits[batch.sample_rows]
+        return logits[batch.logits_at]
 
     def decode_step(self, rows: DecodeRows) -> torch.Tensor:
         """Logits (B, vocab) fp32 of padded rows, through the compiled functions (call under no_grad)."""
@@ -236,7 +237,8 @@ def compiled_step_refusal(model: LlamaModel) -> str | None:
 
 def compiled_engine(model: LlamaModel, tokenizer: Tokenizer, max_seqs: int = 64, token_budget: int = 256,
                     kv_bytes: int | None = None, block_size: int = 16, prefix_caching: bool = True,
-                    aging_rate: float = 1.0, attention: str = "sdpa", kv_dtype: torch.dtype | None = None,
+                    aging_rate: float = 1.0, attention: AttentionFn = sdpa_attention,
+                    kv_dtype: torch.dtype | None = None,
                     clock: Callable[[], float] = time.perf_counter, compile: bool = True,
                     buckets: tuple[int, ...] = BATCH_BUCKETS, stats_capacity: int = 10_000) -> Engine:
     """Stage 07's ``paged_engine`` with a ``CompiledPagedRunner``: the same arguments, scheduler,

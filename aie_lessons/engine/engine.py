@@ -22,11 +22,11 @@ from aie_lessons.engine.sampler import Sampler
 from aie_lessons.engine.scheduler import KVAllocator, Schedule, Scheduler, SchedulerConfig
 from aie_lessons.engine.step_log import StepLog, StepStats
 from aie_lessons.generate import PromptError, check_prompt
+from aie_lessons.model import AttentionFn, LlamaModel, sdpa_attention
 from aie_lessons.output import GenerationResult, OutputStream, stop_token_ids
 from aie_lessons.sampling import SamplingParams, SamplingParamsError, params_per_row
 
 if TYPE_CHECKING:
-    from aie_lessons.model import LlamaModel
     from aie_lessons.tokenizer import Tokenizer
 
 
@@ -91,7 +91,7 @@ class Engine:
     @classmethod
     def from_model(cls, model: LlamaModel, tokenizer: Tokenizer, max_seqs: int = 16, token_budget: int = 256,
                    max_len: int = 1024, aging_rate: float = 1.0, static: bool = False,
-                   attention: str = "sdpa", kv_dtype: torch.dtype | None = None,
+                   attention: AttentionFn = sdpa_attention, kv_dtype: torch.dtype | None = None,
                    clock: Callable[[], float] = time.perf_counter, stats_capacity: int = 10_000) -> "Engine":
         config = SchedulerConfig(max_seqs, token_budget, aging_rate, static)
         runner = ModelRunner(model, max_seqs, max_len, attention, kv_dtype)

@@ -10,12 +10,15 @@ import torch
 
 from typing import TYPE_CHECKING
 
-from aie_lessons.engine.batch import chunk_inputs
+from aie_lessons.engine.batch import PackedStep, chunk_inputs
+from aie_lessons.engine.block_attention import block_attention
 from aie_lessons.engine.block_manager import blocks_for
 from aie_lessons.masks import causal_mask
 
 if TYPE_CHECKING:
+    from aie_lessons.engine.paged_cache import PagedKVCache
     from aie_lessons.engine.scheduler import Schedule, ScheduledChunk
+    from aie_lessons.model import AttentionFn
 
 
 def chunk_slots(chunk: ScheduledChunk, block_size: int) -> list[int]:
@@ -24,14 +27,11 @@ def chunk_slots(chunk: ScheduledChunk, block_size: int) -> list[int]:
             for p in range(chunk.start, chunk.start + chunk.length)]
 
 
-@dataclass
-class PagedBatch:
-    """The tensors of one packed forward pass over a paged cache (N tokens, K of them sampled)."""
+@dataclass(kw_only=True, eq=False)
+class PagedBatch(PackedStep):
+    """A packed step over a paged cache (N tokens, K of them sampled): blocks, not rows."""
 
-    input_ids: torch.Tensor  # (1, N)
-    positions: torch.Tensor  # (1, N)
     slots: torch.Tensor  # (N,) where each token's keys and values are written
-    sample_rows: torch.Tensor  # (K,) the packed index of each sampling chunk's last token
     decode_rows: torch.Tensor  # (n,) packed indices of one-token chunks
     decode_tables: torch.Tensor  # (n, max_blocks) their block tables, padded with block 0
     decode_lens: torch.Tensor  # (n,) their lengths, the new token included
@@ -40,15 +40,19 @@ class PagedBatch:
     decode_slots: torch.Tensor | None
     decode_mask: torch.Tensor | None
     chunks: list[tuple[int, int, torch.Tensor, int, torch.Tensor]]  # (offset, length, table, end, mask)
-    attention: str  # the backend that does the arithmetic (stage 02's or PyTorch's)
     decode: str  # "paged" (read blocks through the tables) or "gather" (copy them out first)
 
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
+               kernel: AttentionFn) -> torch.Tensor:
+        return block_attention(q, k, v, self.cache, layer, self, self.kernel)
 
-def prepare_paged_batch(schedule: Schedule, attention: str, decode: str, block_size: int,
-                        device: torch.device | str) -> PagedBatch:
+
+def prepare_paged_batch(schedule: Schedule, cache: PagedKVCache, decode: str, device: torch.device | str,
+                        kernel: AttentionFn) -> PagedBatch:
     """Pack a schedule's chunks (paged handles: ``chunk.kv`` is a block table)."""
     ids, positions, slots, offsets, chunks = [], [], [], {}, []
     decode_rows, decode_tables, decode_lens = [], [], []
+    block_size = cache.block_size
     for chunk in schedule.chunks:
         offset = offsets[id(chunk)] = len(ids)
         chunk_ids, chunk_positions = chunk_inputs(chunk)
@@ -82,5 +86,7 @@ def prepare_paged_batch(schedule: Schedule, attention: str, decode: str, block_s
         columns = torch.arange(max(decode_lens), device=device)
         decode_slots = tables[:, columns // block_size] * block_size + columns % block_size
         decode_mask = (columns[None, :] < lens[:, None])[:, None, None, :]
-    return PagedBatch(tensor(ids)[None], tensor(positions)[None], tensor(slots), tensor(sample_rows),
-                      tensor(decode_rows), tables, lens, decode_slots, decode_mask, chunks, attention, decode)
+    return PagedBatch(cache=cache, logits_at=tensor(sample_rows), input_ids=tensor(ids)[None],
+                      positions=tensor(positions)[None], kernel=kernel, slots=tensor(slots),
+                      decode_rows=tensor(decode_rows), decode_tables=tables, decode_lens=lens,
+                      decode_slots=decode_slots, decode_mask=decode_mask, chunks=chunks, decode=decode)

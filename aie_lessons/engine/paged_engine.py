@@ -16,16 +16,16 @@ from aie_lessons.engine.paged_cache import blocks_for_budget, slot_pool_bytes
 from aie_lessons.engine.paged_runner import PagedModelRunner
 from aie_lessons.engine.preemption import PagedScheduler
 from aie_lessons.engine.scheduler import SchedulerConfig
+from aie_lessons.model import AttentionFn, LlamaModel, sdpa_attention
 from aie_lessons.output import stop_token_ids
 
 if TYPE_CHECKING:
-    from aie_lessons.model import LlamaModel
     from aie_lessons.tokenizer import Tokenizer
 
 
 def paged_engine(model: LlamaModel, tokenizer: Tokenizer, max_seqs: int = 64, token_budget: int = 256,
                  kv_bytes: int | None = None, block_size: int = 16, prefix_caching: bool = True,
-                 aging_rate: float = 1.0, attention: str = "sdpa", kv_dtype: torch.dtype | None = None,
+                 aging_rate: float = 1.0, attention: AttentionFn = sdpa_attention, kv_dtype: torch.dtype | None = None,
                  decode: str = "auto", clock: Callable[[], float] = time.perf_counter,
                  stats_capacity: int = 10_000) -> Engine:
     """Continuous batching over blocks. ``kv_bytes``: the pool's memory (default: what 16 slots of

@@ -8,15 +8,14 @@ import torch
 
 from typing import TYPE_CHECKING
 
-from aie_lessons.engine.block_attention import BLOCKS
 from aie_lessons.engine.block_manager import PagedAllocator
 from aie_lessons.engine.paged_batch import PagedBatch, prepare_paged_batch
 from aie_lessons.engine.paged_cache import PagedKVCache
-from aie_lessons.engine.runner import ModelRunner, check_step_attention
+from aie_lessons.engine.runner import ModelRunner
+from aie_lessons.model import AttentionFn, LlamaModel, check_kernel, sdpa_attention
 
 if TYPE_CHECKING:
     from aie_lessons.engine.scheduler import Schedule
-    from aie_lessons.model import LlamaModel
 
 
 class PagedModelRunner(ModelRunner):
@@ -24,14 +23,13 @@ class PagedModelRunner(ModelRunner):
 
     ``decode``: how the decodes read their blocks — "paged" (in place), "gather" (copied out, then
     ``attention``), or "auto": paged where the Triton kernel compiles (a GPU), gather on a CPU,
-    where the block loop is no faster and gather goes through your attention backend.
+    where the block loop is no faster and gather goes through your attention kernel.
     """
 
-    step_backend = BLOCKS
-
-    def __init__(self, model: LlamaModel, num_blocks: int, block_size: int = 16, attention: str = "sdpa",
-                 kv_dtype: torch.dtype | None = None, prefix_caching: bool = True, decode: str = "auto"):
-        check_step_attention(attention)
+    def __init__(self, model: LlamaModel, num_blocks: int, block_size: int = 16,
+                 attention: AttentionFn = sdpa_attention, kv_dtype: torch.dtype | None = None,
+                 prefix_caching: bool = True, decode: str = "auto"):
+        check_kernel(attention)
         if decode not in ("auto", "paged", "gather"):
             raise ValueError(f"decode={decode!r}: pick 'paged', 'gather' or 'auto'")
         self.model = model
@@ -44,4 +42,4 @@ class PagedModelRunner(ModelRunner):
         self.allocator = PagedAllocator(num_blocks, block_size, prefix_caching)
 
     def prepare(self, schedule: Schedule) -> PagedBatch:
-        return prepare_paged_batch(schedule, self.attention, self.decode, self.allocator.block_size, self.device)
+        return prepare_paged_batch(schedule, self.cache, self.decode, self.device, self.attention)

@@ -8,32 +8,25 @@ import torch
 
 from typing import TYPE_CHECKING
 
-from aie_lessons.engine.batch import StepBatch, prepare_batch
-from aie_lessons.engine.slot_attention import SLOTS
+from aie_lessons.engine.batch import PackedStep, StepBatch, prepare_batch
 from aie_lessons.engine.slot_cache import SlotAllocator
 from aie_lessons.kv_cache import KVCache
-from aie_lessons.model import ATTENTION_BACKENDS, CACHE_READING_BACKENDS, LlamaModel
+from aie_lessons.model import AttentionFn, LlamaModel, check_kernel, sdpa_attention
 
 if TYPE_CHECKING:
     from aie_lessons.engine.scheduler import Schedule
 
 
-def check_step_attention(attention: str) -> None:
-    """The backend that does a step's arithmetic must take q, k, v: the cache-reading backend that
-    wraps it (slots here, blocks in stage 07) is the runner's own choice."""
-    if attention not in ATTENTION_BACKENDS or attention in CACHE_READING_BACKENDS:
-        raise ValueError(f"attention={attention!r}: pick a backend that computes attention from q, k, v "
-                         f"(e.g. 'sdpa', or stage 02's 'manual'); registered: {sorted(ATTENTION_BACKENDS)}")
-
-
 class ModelRunner:
-    """The model, its slot cache and allocator; ``prepare`` then ``run`` make one step's logits."""
+    """The model, its slot cache and allocator; ``prepare`` then ``run`` make one step's logits.
 
-    step_backend = SLOTS  # the cache-reading backend the model runs with during a step
+    ``attention`` is the kernel that does a step's arithmetic, called with per-row masks; it is
+    bound into every step's metadata, and the model itself is never switched.
+    """
 
-    def __init__(self, model: LlamaModel, max_seqs: int, max_len: int, attention: str = "sdpa",
+    def __init__(self, model: LlamaModel, max_seqs: int, max_len: int, attention: AttentionFn = sdpa_attention,
                  kv_dtype: torch.dtype | None = None):
-        check_step_attention(attention)
+        check_kernel(attention)
         context = model.config.max_position_embeddings
         if max_len > context:
             raise ValueError(f"max_len={max_len} is past the model's context ({context}). Fix: max_len ≤ {context}")
@@ -46,20 +39,12 @@ class ModelRunner:
         self.allocator = SlotAllocator(max_seqs, max_len)
 
     def prepare(self, schedule: Schedule) -> StepBatch:
-        return prepare_batch(schedule, self.attention, self.device)
+        return prepare_batch(schedule, self.cache, self.device, self.attention)
 
     @torch.inference_mode()
-    def run(self, batch: StepBatch) -> torch.Tensor:
+    def run(self, batch: PackedStep) -> torch.Tensor:
         """Logits (K, vocab), fp32: one row per chunk that samples, in schedule order."""
-        model = self.model
-        backend = model.layers[0].self_attn.backend
-        keep_sampled = model.norm.register_forward_pre_hook(lambda _, args: (args[0][:, batch.sample_rows],))
-        model.set_attention_backend(self.step_backend)
-        try:
-            logits = model(batch.input_ids, batch.positions, None, self.cache, cache_start=batch)
-        finally:
-            model.set_attention_backend(backend)
-            keep_sampled.remove()
+        logits = self.model(batch.input_ids, batch.positions, batch)
         if logits.is_cuda:  # the GPU runs asynchronously: wait, so that run_s is the model's time
             torch.cuda.synchronize(logits.device)
         return logits[0]

@@ -8,33 +8,20 @@ import torch
 
 from typing import TYPE_CHECKING
 
-from aie_lessons.model import ATTENTION_BACKENDS, register_attention_backend
-
 if TYPE_CHECKING:
     from aie_lessons.engine.batch import StepBatch
     from aie_lessons.kv_cache import KVCache
+    from aie_lessons.model import AttentionFn
 
-SLOTS = "slots"  # the backend's name: the runner switches the model to it for each step
-
-
-@register_attention_backend(SLOTS, reads_cache=True)
-def slot_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None,
-                   cache: KVCache | None = None, layer: int = 0, start: StepBatch | None = None) -> torch.Tensor:
-    """q (1, Hq, N, D), k and v (1, Hkv, N, D) of the packed tokens -> (1, Hq, N, D).
-
-    ``start`` is the step's ``StepBatch`` (the model hands its ``cache_start`` on unread).
-    """
-    if cache is None or start is None:
-        raise ValueError("the 'slots' backend runs inside the engine: it needs the slot cache and the "
-                         "step's StepBatch (cache_start). Fix: generate through Engine, or pick another "
-                         "backend with model.set_attention_backend")
-    batch = start
+def slot_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache, layer: int,
+                   batch: StepBatch, attend: AttentionFn) -> torch.Tensor:
+    """q (1, Hq, N, D), k and v (1, Hkv, N, D) of the packed tokens -> (1, Hq, N, D): the new keys
+    and values stored at their slots, then ``attend`` over each request's own columns."""
     keys, values = cache.keys[layer], cache.values[layer]  # (slots, Hkv, max_len, D), views
     token_positions = batch.positions[0]
     # Advanced indices on dims 0 and 2 around a slice put the token dimension first: (N, Hkv, D).
     keys[batch.token_slots, :, token_positions] = k[0].transpose(0, 1).to(keys.dtype)
     values[batch.token_slots, :, token_positions] = v[0].transpose(0, 1).to(values.dtype)
-    attend = ATTENTION_BACKENDS[batch.attention]
     out = torch.empty_like(q)
     if batch.single_mask is not None:  # every one-token row at once, one slot row each
         span, width = batch.single_mask.shape[0], batch.single_mask.shape[-1]
