@@ -171,8 +171,11 @@ def _loop(args: argparse.Namespace, count: int) -> str:
             SchedulerConfig(args.max_seqs, args.token_budget)
         except ValueError as exc:
             raise UsageError(f"--max-seqs {args.max_seqs} --token-budget {args.token_budget}: {exc}") from exc
-    elif (args.max_seqs, args.token_budget) != (DEFAULT_MAX_SEQS, DEFAULT_TOKEN_BUDGET):
-        print("aie generate: note: --max-seqs and --token-budget only matter for the engine (--loop "
+        if args.kv == "slots" and args.step not in (None, "eager"):
+            raise UsageError(f"--step {args.step} compiles a step over the paged KV cache, and --kv slots asks for "
+                             "stage 06's slots. Fix: drop --kv slots, or --step")
+    elif (args.max_seqs, args.token_budget, args.step) != (DEFAULT_MAX_SEQS, DEFAULT_TOKEN_BUDGET, None):
+        print("aie generate: note: --max-seqs, --token-budget and --step only matter for the engine (--loop "
               "engine, or several prompts)", file=sys.stderr)
     return loop
 
@@ -235,9 +238,10 @@ def _run_engine(args: argparse.Namespace, model: LlamaModel, tokenizer: Tokenize
     """Every prompt through the engine: stage 07's paged KV cache by default, or stage 06's slots."""
     import time
 
+    from aie_lessons.engine.compiled_runner import CompiledPagedRunner
     from aie_lessons.engine.engine import Engine
+    from aie_lessons.engine.engine_config import EngineConfig, build_engine
     from aie_lessons.engine.paged_cache import slot_pool_bytes
-    from aie_lessons.engine.paged_engine import paged_engine
     from aie_lessons.engine.request import RequestStatus
     from aie_lessons.generate import PromptError
 
@@ -247,14 +251,27 @@ def _run_engine(args: argparse.Namespace, model: LlamaModel, tokenizer: Tokenize
     # and sizing it for the whole context (8192 for SmolLM2) would take gigabytes for nothing.
     max_len = min(max(map(len, prompt_ids)) + params.max_new_tokens, context)
     max_seqs = min(args.max_seqs, count)
+    step = "eager"
     if args.kv == "slots":
         engine = Engine.from_model(model, tokenizer, max_seqs=max_seqs, token_budget=args.token_budget,
                                    max_len=max_len)
         memory = f"{max_seqs} KV slots of {max_len} tokens"
     else:  # the bytes of those slots, in blocks: requests hold only what they have used so far
-        kv_bytes = slot_pool_bytes(model.config, max_seqs, max_len, BLOCK_SIZE, model.embed_tokens.weight.dtype)
-        engine = paged_engine(model, tokenizer, max_seqs=max_seqs, token_budget=args.token_budget,
-                              kv_bytes=kv_bytes, block_size=BLOCK_SIZE)
+        kv_bytes = slot_pool_bytes(model.config, max_seqs, max_len, EngineConfig.block_size,
+                                   model.embed_tokens.weight.dtype)
+        config = EngineConfig(max_seqs=max_seqs, token_budget=args.token_budget, kv_bytes=kv_bytes,
+                              step=args.step or "eager")
+        try:
+            engine = build_engine(model, tokenizer, config,
+                                  on_note=lambda note: print(f"aie generate: note: {note}", file=sys.stderr))
+        except ValueError as exc:  # --step compiled where it cannot run: the reason names the fix
+            raise UsageError(f"--step compiled: {exc}") from exc
+        if isinstance(engine.runner, CompiledPagedRunner):
+            step, start = "compiled", time.perf_counter()
+            print(f"aie generate: compiling the engine's step for batches of {engine.runner.buckets} (inductor's "
+                  "cache keeps it for later runs) ...", end="", file=sys.stderr, flush=True)
+            engine.runner.warm_up()
+            print(f" {time.perf_counter() - start:.0f} s", file=sys.stderr)
         allocator = engine.runner.allocator
         memory = f"{allocator.num_blocks} KV blocks of {allocator.block_size} tokens"
     for i, ids in enumerate(prompt_ids):  # every prompt is checked before any runs
@@ -296,7 +313,7 @@ def _run_engine(args: argparse.Namespace, model: LlamaModel, tokenizer: Tokenize
     tokens = sum(len(r.output_ids) for r in requests)
     print(f"aie generate: {count} request{'s' * (count > 1)}, {tokens} output tokens in {seconds:.2f} s "
           f"= {tokens / seconds:.1f} tok/s (engine: up to {engine.config.max_seqs} at once, "
-          f"{engine.config.token_budget} tokens per step, {memory})", file=sys.stderr)
+          f"{engine.config.token_budget} tokens per step, {memory}, {step} step)", file=sys.stderr)
 
 
 def _compiled_decoder(args: argparse.Namespace, model: LlamaModel, params: SamplingParams) -> FastDecoder | None:
@@ -407,7 +424,8 @@ def _serve(args: argparse.Namespace) -> int:
 
     config = load_config(args.config).with_overrides(
         host=args.host, port=args.port, model_dir=args.model, dtype=args.dtype, max_seqs=args.max_seqs,
-        max_waiting=args.max_waiting, kv_memory_mb=args.kv_memory_mb, drain_timeout_s=args.drain_timeout)
+        max_waiting=args.max_waiting, kv_memory_mb=args.kv_memory_mb, drain_timeout_s=args.drain_timeout,
+        step=args.step)
     return serve(config)
 
 
@@ -492,9 +510,10 @@ class Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
 
 
-DEFAULT_MAX_SEQS, DEFAULT_TOKEN_BUDGET = 16, 256  # the engine's own defaults (Engine.from_model)
-BLOCK_SIZE = 16  # tokens per KV block of the paged engine
-# Stage 08's SCHEMES, named here so that `aie --help` does not import torch (a test keeps them equal).
+# Stage 09's EngineConfig defaults and steps and stage 08's SCHEMES, named here so that `aie --help`
+# does not import torch (a test keeps them equal).
+DEFAULT_MAX_SEQS, DEFAULT_TOKEN_BUDGET = 16, 256
+ENGINE_STEPS = ("auto", "eager", "compiled")
 QUANT_SCHEMES = ("int8", "int4-g192", "int4-g64", "int4-g32")
 
 
@@ -534,6 +553,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--token-budget", type=int, default=DEFAULT_TOKEN_BUDGET, metavar="N",
                      help=f"engine: tokens per step, prefill chunks included (default {DEFAULT_TOKEN_BUDGET}; "
                           "at least --max-seqs)")
+    gen.add_argument("--step", choices=ENGINE_STEPS,
+                     help="engine: its decode step — eager (the default here: a few prompts do not pay back "
+                          "compiling), compiled (stage 09's step, compiled per batch size; inductor's cache "
+                          "keeps it for later runs) or auto (compiled where it can run)")
     gen.add_argument("--kv", choices=["paged", "slots"], default="paged",
                      help="engine: KV memory in blocks of 16 tokens (stage 07, the default) or one slot "
                           "per request (stage 06); both get the bytes of --max-seqs slots")
@@ -569,6 +592,10 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--max-waiting", type=int, metavar="N",
                      help="accepted requests waiting to run; one more gets 503 (default 64)")
     srv.add_argument("--kv-memory-mb", type=float, metavar="MB", help="the paged KV pool (default: stage 07's)")
+    srv.add_argument("--step", choices=ENGINE_STEPS,
+                     help="the engine's decode step: auto (the default: compiled where it can run — float32 "
+                          "activations, a C++ compiler — compiled for every batch size before the server says "
+                          "ready; eager otherwise, with the reason in the log), eager, or compiled")
     srv.add_argument("--drain-timeout", type=float, metavar="SECONDS",
                      help="on SIGTERM, how long in-flight requests may take to finish (default 20)")
     srv.set_defaults(run=_serve)

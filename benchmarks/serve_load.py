@@ -34,7 +34,8 @@ from pathlib import Path
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as `aie serve` does, so that both sides run alike
 import psutil  # noqa: E402
 
-from aie_lessons.engine.paged_engine import paged_engine  # noqa: E402
+from aie_lessons.engine.compiled_runner import CompiledPagedRunner  # noqa: E402
+from aie_lessons.engine.engine_config import STEPS, EngineConfig, build_engine  # noqa: E402
 from aie_lessons.engine.workload import mixed_workload, run_workload  # noqa: E402
 from aie_lessons.infra.paths import default_model_dir  # noqa: E402
 from aie_lessons.model import LlamaModel  # noqa: E402
@@ -59,7 +60,9 @@ def main() -> int:
     parser.add_argument("--requests", type=int, default=32, help="requests of the saturated-vs-offline comparison")
     parser.add_argument("--rounds", type=int, default=2, help="alternations of server and offline engine")
     parser.add_argument("--soak", type=int, default=1000, help="requests of the soak test")
-    parser.add_argument("--max-seqs", type=int, default=16)
+    parser.add_argument("--max-seqs", type=int, default=EngineConfig.max_seqs)
+    parser.add_argument("--step", choices=STEPS, default=EngineConfig.step,
+                        help="the engine's step, the server's and the offline engine's alike (default: auto)")
     parser.add_argument("--quick", action="store_true", help="a smoke run: 2 rates, 16 requests, 200 in the soak")
     args = parser.parse_args()
     if args.quick:
@@ -70,10 +73,12 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="aie-serve-load-"))
     vocab = LlamaModel.from_pretrained(model_dir).config.vocab_size
 
-    server = ServerProcess(["--max-seqs", str(args.max_seqs), "--max-waiting", "4096"], work / "server.log")
+    server = ServerProcess(["--max-seqs", str(args.max_seqs), "--max-waiting", "4096", "--step", args.step],
+                           work / "server.log")
     failures: list[str] = []
     try:
-        print(f"server: {server.url}, max_seqs {args.max_seqs}; log in {work / 'server.log'}")
+        ready = next(line for line in server.logs() if line["message"] == "ready")
+        print(f"server: {server.url}, max_seqs {args.max_seqs}, {ready['step']} step; log in {work / 'server.log'}")
         sweep = []
         for i, rate in enumerate(rates):
             n = max(8, round(rate * args.seconds))
@@ -90,13 +95,15 @@ def main() -> int:
 
         print(f"\nSaturated server vs the offline engine, {args.requests} requests at once, {args.rounds} rounds:")
         model, tokenizer = LlamaModel.from_pretrained(model_dir), Tokenizer.from_pretrained(model_dir)
+        engine = build_engine(model, tokenizer, EngineConfig(max_seqs=args.max_seqs, step=args.step))
+        if isinstance(engine.runner, CompiledPagedRunner):  # compiled before it is timed, as the server's
+            engine.runner.warm_up()
         served, offline = [], []
         for round_ in range(args.rounds):
             # a new workload each round: the server's prefix cache keeps the last one's prompts
             workload = mixed_workload(args.requests, 7 + round_, (16, 256), (8, 32), vocab)
             result = asyncio.run(run_load(server.url, workload, math.inf, seed=round_))
             served.append(result.summary(objective)["tok/s"])
-            engine = paged_engine(model, tokenizer, max_seqs=args.max_seqs)
             offline.append(run_workload(engine, workload).tokens_per_s)
             print(f"  round {round_ + 1}: server {served[-1]:.1f} tok/s, offline {offline[-1]:.1f} tok/s", flush=True)
         ratio = statistics.median(s / o for s, o in zip(served, offline))

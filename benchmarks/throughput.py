@@ -8,6 +8,8 @@ lengths, twice as long a run), all requests arriving at t = 0, served in one pro
 * our engine with stage 07's paged KV cache (the default engine): a 256-token step budget, the KV
   bytes of 16 slots of the longest request, and up to 64 requests running — memory decides; fp32
   and bf16;
+* the same paged engine with stage 09's compiled decode step (``EngineConfig(step="compiled")``,
+  its buckets compiled before the clock starts), fp32 and bf16;
 * our engine with stage 06's KV slots in the same bytes: 16 running requests at most, fp32;
 * stage 04's static batching: ``generate_cached`` on batches of 16 in arrival order, fp32;
 * transformers ``generate`` on the same static batches (greedy, left-padded), fp32;
@@ -53,9 +55,10 @@ import torch  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from aie_lessons.cached_generate import generate_cached  # noqa: E402
+from aie_lessons.engine.compiled_runner import CompiledPagedRunner  # noqa: E402
 from aie_lessons.engine.engine import Engine, StepStats  # noqa: E402
+from aie_lessons.engine.engine_config import EngineConfig, build_engine  # noqa: E402
 from aie_lessons.engine.paged_cache import slot_pool_bytes  # noqa: E402
-from aie_lessons.engine.paged_engine import paged_engine  # noqa: E402
 from aie_lessons.engine.workload import RunSummary, mixed_workload, percentile, run_workload  # noqa: E402
 from aie_lessons.infra.paths import default_model_dir  # noqa: E402
 from aie_lessons.model import LlamaModel  # noqa: E402
@@ -71,6 +74,8 @@ TARGETS = {  # from the course's continuous-batching issue; judged on the fp32 s
     "engine fp32 / stage-04 static fp32": 1.5,
     "engine fp32 / transformers static fp32": 2.5,
     "engine fp32 / engine max_seqs=1 fp32": 4.0,
+    "engine compiled fp32 / stage-04 static fp32": 1.5,  # the same targets, with the compiled step
+    "engine compiled fp32 / transformers static fp32": 2.5,
 }
 PAGED_TARGETS = {  # from the course's paged-KV issue
     "concurrent requests, blocks / slots": 2.0,
@@ -110,16 +115,19 @@ def with_progress(engine: Engine, total: int, desc: str) -> tqdm:
 
 
 def run_engine(model: LlamaModel, tokenizer: Tokenizer, workload: Workload, slots: int, max_len: int,
-               desc: str, kv: str = "paged", prefix_caching: bool = True) -> Measured:
+               desc: str, kv: str = "paged", prefix_caching: bool = True, step: str = "eager") -> Measured:
     """The engine with the KV bytes of ``slots`` slots of ``max_len`` tokens: as slots (stage 06), or
-    as blocks (stage 07), which may then run up to PAGED_MAX_SEQS requests (at least ``slots``)."""
+    as blocks (stage 07), which may then run up to PAGED_MAX_SEQS requests (at least ``slots``),
+    with the eager or the compiled step (compiled for every bucket before the clock starts)."""
     if kv == "slots":
         engine = Engine.from_model(model, tokenizer, max_seqs=slots, token_budget=TOKEN_BUDGET, max_len=max_len)
     else:
         kv_bytes = slot_pool_bytes(model.config, slots, max_len, BLOCK_SIZE, model.embed_tokens.weight.dtype)
-        engine = paged_engine(model, tokenizer, max_seqs=max(slots, min(PAGED_MAX_SEQS, 4 * slots)),
-                              token_budget=TOKEN_BUDGET, kv_bytes=kv_bytes, block_size=BLOCK_SIZE,
-                              prefix_caching=prefix_caching)
+        config = EngineConfig(max_seqs=max(slots, min(PAGED_MAX_SEQS, 4 * slots)), token_budget=TOKEN_BUDGET,
+                              kv_bytes=kv_bytes, block_size=BLOCK_SIZE, prefix_caching=prefix_caching, step=step)
+        engine = build_engine(model, tokenizer, config)
+        if isinstance(engine.runner, CompiledPagedRunner):
+            engine.runner.warm_up()
     with with_progress(engine, len(workload), desc):
         summary = run_workload(engine, workload)
     requests = list(engine.requests.values())  # in the order added: the workload's
@@ -355,6 +363,10 @@ def main() -> None:
         "transformers static fp32": lambda: run_static_transformers(hf, workload, pad_id,
                                                                     "transformers static fp32"),
         "engine bf16": lambda: run_engine(bf16, tokenizer, workload, BATCH, max_len, "engine bf16"),
+        "engine compiled fp32": lambda: run_engine(fp32, tokenizer, workload, BATCH, max_len, "engine compiled fp32",
+                                                   step="compiled"),
+        "engine compiled bf16": lambda: run_engine(bf16, tokenizer, workload, BATCH, max_len, "engine compiled bf16",
+                                                   step="compiled"),
         "engine max_seqs=1 fp32": lambda: run_engine(fp32, tokenizer, subset, 1, max_len,  # one slot:
                                                      "engine max_seqs=1 fp32", kv="slots"),  # one at a time
     }
@@ -392,6 +404,13 @@ def main() -> None:
         ("engine fp32 / engine max_seqs=1 fp32", tok_s("engine fp32") / tok_s("engine max_seqs=1 fp32"),
          f"(max_seqs=1 on the {len(subset)}-request subset)"),
         ("engine bf16 / engine fp32", tok_s("engine bf16") / tok_s("engine fp32"), ""),
+        ("engine compiled fp32 / engine fp32", tok_s("engine compiled fp32") / tok_s("engine fp32"), ""),
+        ("engine compiled fp32 / stage-04 static fp32",
+         tok_s("engine compiled fp32") / tok_s("stage-04 static fp32"), ""),
+        ("engine compiled fp32 / transformers static fp32",
+         tok_s("engine compiled fp32") / tok_s("transformers static fp32"), ""),
+        ("engine compiled bf16 / engine compiled fp32",
+         tok_s("engine compiled bf16") / tok_s("engine compiled fp32"), "(bf16 products: the CPU's bf16 line decides)"),
         ("stage-04 static fp32 / transformers static fp32",
          tok_s("stage-04 static fp32") / tok_s("transformers static fp32"), ""),
     ]
@@ -415,7 +434,7 @@ def main() -> None:
     print("\ngreedy tokens against the engine fp32 (fp32 everywhere; batch shapes differ, so rare "
           "near-ties may flip):")
     engine_tokens = measured["engine fp32"].tokens
-    for name in ("engine slots fp32", "stage-04 static fp32", "transformers static fp32"):
+    for name in ("engine slots fp32", "engine compiled fp32", "stage-04 static fp32", "transformers static fp32"):
         print(f"  {name}: {agreement(engine_tokens, measured[name].tokens)}")
     print(f"  engine max_seqs=1 fp32: {agreement(engine_tokens[:len(subset)], measured['engine max_seqs=1 fp32'].tokens)}")
     print("\nwhere the time goes:")

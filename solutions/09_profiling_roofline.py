@@ -1948,7 +1948,8 @@ def compiled_step_refusal(model: LlamaModel) -> str | None:
     return None
 
 
-def compiled_engine(model: LlamaModel, tokenizer: Tokenizer, max_seqs: int = 64, token_budget: int = 256,
+def compiled_engine(model: LlamaModel, tokenizer: Tokenizer, max_seqs: int = SchedulerConfig.max_seqs,
+                    token_budget: int = SchedulerConfig.token_budget,
                     kv_bytes: int | None = None, block_size: int = 16, prefix_caching: bool = True,
                     aging_rate: float = 1.0, attention: AttentionFn = sdpa_attention,
                     kv_dtype: torch.dtype | None = None,
@@ -2153,6 +2154,168 @@ print("the compiled fp32 engine kept the eager engine's greedy tokens, at", ENGI
       "requests finishing one by one:", all(same_engine_tokens.values()))
 print("compiled bf16 agrees with eager bf16 on at least 90% of the steps' next tokens, mean KL under 0.01:",
       bf16_agreement.top1 >= 0.9 and bf16_agreement.mean_kl < 0.01)
+
+# %% [markdown]
+# ### One engine configuration
+#
+# Everything that runs the engine for real — `aie serve`, `aie generate` with several prompts,
+# the benchmarks — builds it in one place, `build_engine`, from one dataclass of settings,
+# `EngineConfig`. It holds the scheduler's limits (stage 06's defaults: 16 requests at once, 256
+# tokens per step), the paged pool (stage 07's: the bytes of 16 slots of 1024 tokens, blocks of
+# 16) and `step`, which picks the step this section compiled or stage 07's eager one:
+#
+# * `"eager"`: the model, as stages 06 and 07 ran it;
+# * `"compiled"`: `CompiledPagedRunner`, its buckets those of `buckets` below `max_seqs` and
+#   `max_seqs` itself; refused, with the reason, where it cannot run;
+# * `"auto"` (the default): compiled where it can run, eager where not — and the engine says why.
+#
+# The compiled step needs fp32 or bf16 weights with fp32 activations (not stage 08's quantized
+# layers) and a compiler for the device: a C++ compiler for a CPU, Triton for a GPU. Compiling
+# costs time once (each bucket, or loading inductor's cache of it), so `aie serve`, which runs
+# for hours, takes `"auto"` and warms every bucket up before it says it is ready, while
+# `aie generate`, a few prompts and done, runs eager unless `--step` says otherwise.
+
+# %%
+# export: engine.engine_config
+"""One set of engine settings, and the one function that builds the engine the runtime runs."""
+
+from __future__ import annotations
+
+import importlib.util
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from aie_lessons.engine.compiled_runner import BATCH_BUCKETS, compiled_engine, compiled_step_refusal
+from aie_lessons.engine.engine import Engine
+from aie_lessons.engine.paged_engine import paged_engine
+from aie_lessons.engine.scheduler import SchedulerConfig
+from aie_lessons.model import LlamaModel
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from aie_lessons.tokenizer import Tokenizer
+
+STEPS = ("auto", "eager", "compiled")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How an engine runs. The defaults are the course's one set: the scheduler's (stage 06),
+    the paged pool's (stage 07) and this stage's buckets; the CLI and the server start from them."""
+
+    max_seqs: int = SchedulerConfig.max_seqs  # requests running at once (and the largest bucket)
+    token_budget: int = SchedulerConfig.token_budget  # tokens per step, prefill chunks included
+    aging_rate: float = SchedulerConfig.aging_rate
+    kv_bytes: int | None = None  # the paged pool; None: the bytes of 16 slots of 1024 tokens
+    block_size: int = 16
+    prefix_caching: bool = True
+    kv_dtype: torch.dtype | None = None  # None: the weights' dtype
+    step: str = "auto"  # "eager", "compiled", or "auto": compiled where it can run
+    buckets: tuple[int, ...] = BATCH_BUCKETS  # the compiled step's batch sizes (up to max_seqs)
+    stats_capacity: int = 10_000  # how many of the latest steps' StepStats the engine keeps
+
+    def __post_init__(self) -> None:
+        if self.step not in STEPS:
+            raise ValueError(f"step={self.step!r} is not one of {', '.join(map(repr, STEPS))}")
+        self.scheduler()  # the scheduler's own checks, each with its fix
+        if not self.buckets or any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in self.buckets):
+            raise ValueError(f"buckets={self.buckets!r} must be batch sizes of at least 1, e.g. (1, 2, 4, 8)")
+        if self.kv_bytes is not None and self.kv_bytes <= 0:
+            raise ValueError(f"kv_bytes={self.kv_bytes!r} must be a positive number of bytes, or None for the default")
+        if self.block_size < 1:
+            raise ValueError(f"block_size={self.block_size!r} must be at least 1 token")
+
+    def scheduler(self) -> SchedulerConfig:
+        return SchedulerConfig(self.max_seqs, self.token_budget, self.aging_rate)
+
+
+def compiled_step_unavailable(model: LlamaModel) -> str | None:
+    """Why the compiled step cannot run ``model`` here, with the fix, or None: the model's reasons
+    (``compiled_step_refusal``), then the machine's — a compiler for the model's device."""
+    refusal = compiled_step_refusal(model)
+    if refusal:
+        return refusal
+    device = model.embed_tokens.weight.device.type
+    if device == "cpu":
+        from aie_lessons.infra.compile_cache import cpp_compiler
+
+        if cpp_compiler() is None:
+            return "compiling for the CPU needs a C++ compiler, and none was found. Fix: install g++ (or clang++)"
+    elif device == "cuda":
+        if importlib.util.find_spec("triton") is None:
+            return "compiling for a GPU needs Triton, which is not installed. Fix: pip install triton"
+    else:
+        return f"the compiled step is built for CPUs and CUDA GPUs, not {device}. Fix: load the model on one"
+    return None
+
+
+def choose_step(model: LlamaModel, step: str) -> tuple[str, str | None]:
+    """The step an engine for ``model`` runs, "eager" or "compiled", and why "auto" chose eager
+    (None otherwise). "compiled" where it cannot run is refused, with the reason."""
+    if step == "eager":
+        return "eager", None
+    why = compiled_step_unavailable(model)
+    if why and step == "compiled":
+        raise ValueError(f"the compiled step cannot run here: {why}, or take step='eager'")
+    return ("eager", why) if why else ("compiled", None)
+
+
+def build_engine(model: LlamaModel, tokenizer: Tokenizer, config: EngineConfig = EngineConfig(),
+                 clock: Callable[[], float] = time.perf_counter,
+                 on_note: Callable[[str], None] | None = None) -> Engine:
+    """The engine ``config`` describes, over a paged cache: stage 07's ``paged_engine`` or this
+    stage's ``compiled_engine``. When "auto" falls back to eager, ``on_note`` hears why (default:
+    a warning). The compiled step compiles each bucket on first use: ``engine.runner.warm_up()``
+    does it ahead."""
+    step, why = choose_step(model, config.step)
+    if why:
+        note = f"the eager step runs, because {why}"
+        warnings.warn(note) if on_note is None else on_note(note)
+    settings = dict(max_seqs=config.max_seqs, token_budget=config.token_budget, kv_bytes=config.kv_bytes,
+                    block_size=config.block_size, prefix_caching=config.prefix_caching,
+                    aging_rate=config.aging_rate, kv_dtype=config.kv_dtype, clock=clock,
+                    stats_capacity=config.stats_capacity)
+    if step == "compiled":
+        return compiled_engine(model, tokenizer, buckets=config.buckets, **settings)
+    return paged_engine(model, tokenizer, **settings)
+
+
+# %% [markdown]
+# What `"auto"` picks for the models of this notebook, and for one it cannot compile (bf16
+# activations); then a small engine built from a configuration, against stage 07's eager engine
+# on the same prompts:
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+from aie_lessons.engine.engine_config import EngineConfig, build_engine, choose_step
+from aie_lessons.engine.compiled_runner import CompiledPagedRunner
+
+bf16_activations = LlamaModel.from_pretrained(MODEL_DIR, dtype=torch.bfloat16, activations=torch.bfloat16)
+for name, candidate in (("fp32 weights", model), ("bf16 weights", bf16_model), ("bf16 activations", bf16_activations)):
+    chosen, why = choose_step(candidate, "auto")
+    print(f"{name:17}: {chosen}" + (f" ({why})" if why else ""))
+del bf16_activations
+
+small = EngineConfig(max_seqs=4, buckets=(1, 4), kv_bytes=64 * 2**20)
+configured = build_engine(model, tokenizer, small)
+start = time.perf_counter()
+configured.runner.warm_up()
+print(f"build_engine, max_seqs={small.max_seqs}, step={small.step!r}: {type(configured.runner).__name__}, "
+      f"buckets {configured.runner.buckets}, warmed up in {time.perf_counter() - start:.0f} s")
+configured_tokens = [r.token_ids for r in configured.generate(engine_prompts[:4], engine_params)]
+eager_tokens = [r.token_ids for r in paged_engine(model, tokenizer, max_seqs=4, kv_bytes=64 * 2**20)
+                .generate(engine_prompts[:4], engine_params)]
+
+# %%
+print("where a C++ compiler exists, build_engine's default step is the compiled one:",
+      isinstance(configured.runner, CompiledPagedRunner) == (choose_step(model, "auto")[0] == "compiled"))
+print("and it keeps stage 07's greedy tokens:", configured_tokens == eager_tokens)
+del configured
 
 
 # %% [markdown]
@@ -2367,6 +2530,8 @@ else:
 #   step, so compiling gains little; in bf16 the products run on the bf16 units where the CPU
 #   has them, and slower with every row where it has none
 #   (`engine.compiled_runner`: `CompiledPagedRunner`, `compiled_engine`).
+# * One configuration for the engine the runtime runs, eager or compiled, compiled where it can
+#   run (`engine.engine_config`: `EngineConfig`, `build_engine`).
 # * On a GPU the same probes and the kernels of stages 05 and 07 against PyTorch's SDPA
 #   (`gpu_kernels`).
 #

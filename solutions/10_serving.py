@@ -994,6 +994,8 @@ from pathlib import Path
 
 import yaml
 
+from aie_lessons.engine.engine_config import STEPS, EngineConfig
+
 
 class ServeConfigError(ValueError):
     """A setting the server cannot start with; the message names the field and the fix."""
@@ -1006,8 +1008,9 @@ class ServeConfig:
     model_dir: str | None = None  # default: the course model (aie fetch-model)
     model_name: str | None = None  # the id clients send as "model"; default: the folder's name
     dtype: str = "float32"  # the weights: float32 or bfloat16
-    max_seqs: int = 16  # requests running at once
-    token_budget: int = 256  # tokens per engine step (chunked prefill)
+    max_seqs: int = EngineConfig.max_seqs  # requests running at once
+    token_budget: int = EngineConfig.token_budget  # tokens per engine step (chunked prefill)
+    step: str = "auto"  # the engine's step (stage 09): compiled where it can run, eager where not
     kv_memory_mb: float | None = None  # the paged KV pool; default: stage 07's (16 × 1024 tokens)
     max_waiting: int = 64  # accepted requests not yet running; one more gets 503
     max_body_bytes: int = 1_000_000  # a larger request body gets 413
@@ -1025,6 +1028,7 @@ class ServeConfig:
             "dtype": (self.dtype in ("float32", "bfloat16"), "float32 or bfloat16"),
             "max_seqs": (self.max_seqs >= 1, "at least 1"),
             "token_budget": (self.token_budget >= 1, "at least 1"),
+            "step": (self.step in STEPS, " or ".join(STEPS)),
             "kv_memory_mb": (self.kv_memory_mb is None or self.kv_memory_mb > 0, "a positive number of MB"),
             "max_waiting": (self.max_waiting >= 1, "at least 1 (a request waits an instant even for a free place)"),
             "max_body_bytes": (self.max_body_bytes >= 1024, "at least 1024"),
@@ -1143,7 +1147,8 @@ from typing import Protocol
 
 import torch
 
-from aie_lessons.engine.paged_engine import paged_engine
+from aie_lessons.engine.compiled_runner import CompiledPagedRunner
+from aie_lessons.engine.engine_config import EngineConfig, build_engine
 from aie_lessons.infra.paths import default_model_dir
 from aie_lessons.model import LlamaModel
 from aie_lessons.sampling import SamplingParams
@@ -1204,22 +1209,31 @@ class LoadedModel:
     tokenizer: Tokenizer
     name: str
     model_dir: Path
+    step: str  # the engine's step: "compiled" or "eager"
 
 
 def load_model(config: ServeConfig, metrics: ServerMetrics, model_dir: str | Path | None = None,
                dtype: str | None = None, name: str | None = None) -> LoadedModel:
-    """Read a checkpoint and build its paged engine (stage 07) — slow: call it on a worker thread.
-    The engine thread is not started yet."""
+    """Read a checkpoint and build its engine (stage 09's ``build_engine``) — slow: call it on a
+    worker thread. A compiled step is compiled for every bucket here, unless ``config.warm_up``
+    is off, so that no request waits for it. The engine thread is not started yet."""
     folder = Path(model_dir or config.model_dir or default_model_dir())
     tokenizer = Tokenizer.from_pretrained(folder)
     model = LlamaModel.from_pretrained(folder, dtype=getattr(torch, dtype or config.dtype))
     kv_bytes = None if config.kv_memory_mb is None else int(config.kv_memory_mb * 2**20)
     # stats_capacity: the server reads each step's stats once, right after it; a long record of
     # steps (and of the ids of requests long ended) would only take memory
-    engine = paged_engine(model, tokenizer, max_seqs=config.max_seqs, token_budget=config.token_budget,
-                          kv_bytes=kv_bytes, stats_capacity=16)
+    engine_config = EngineConfig(max_seqs=config.max_seqs, token_budget=config.token_budget, kv_bytes=kv_bytes,
+                                 step=config.step, stats_capacity=16)
+    engine = build_engine(model, tokenizer, engine_config, on_note=log.warning)
+    step = "compiled" if isinstance(engine.runner, CompiledPagedRunner) else "eager"
+    if step == "compiled" and config.warm_up:
+        start = time.monotonic()
+        log.info("compiling the engine's step", extra={"fields": {"buckets": list(engine.runner.buckets)}})
+        engine.runner.warm_up()
+        log.info("compiled", extra={"fields": {"seconds": round(time.monotonic() - start, 1)}})
     label = name or (config.model_name if model_dir is None else None) or folder.name
-    return LoadedModel(AsyncEngine(engine, config.max_waiting, metrics, label), tokenizer, label, folder)
+    return LoadedModel(AsyncEngine(engine, config.max_waiting, metrics, label), tokenizer, label, folder, step)
 
 
 async def warm_up(engine: AsyncEngine) -> None:
@@ -1489,7 +1503,7 @@ def create_app(state: ServerState) -> FastAPI:
                 await warm_up(loaded.engine)
             if state.status == "loading":  # a SIGTERM during the load has made it "draining"
                 state.status = "ready"
-            log.info("ready", extra={"fields": {"model": loaded.name, "kv_blocks":
+            log.info("ready", extra={"fields": {"model": loaded.name, "step": loaded.step, "kv_blocks":
                                                 loaded.engine.engine.runner.allocator.num_blocks}})
         except Exception as exc:
             state.status, state.failure = "failed", f"{type(exc).__name__}: {exc}"
@@ -1694,6 +1708,11 @@ def serve(config: ServeConfig) -> int:
 # real clients. `ServerProcess` is a small helper for that: it starts the process, waits for
 # `/health` to say 200, and reads the JSON log. It and the load test below are tools for
 # *trying* a server, not part of it: they go to `aie_lessons.harness`, apart from the server.
+#
+# By default `aie serve` runs stage 09's compiled step where it can (`build_engine` with
+# `step="auto"`), and compiles it for every batch size before `/health` says 200: tens of
+# seconds, once per start. The servers below run `--step eager`, so that they start in seconds
+# and are the very engine the offline answers above came from.
 
 # %%
 # export: harness.server_process
@@ -1793,7 +1812,7 @@ import httpx
 import openai
 
 WORK = Path(tempfile.mkdtemp(prefix="aie-serve-"))
-server = ServerProcess(["--max-seqs", "4", "--max-waiting", "2"], WORK / "server.log")
+server = ServerProcess(["--max-seqs", "4", "--max-waiting", "2", "--step", "eager"], WORK / "server.log")
 print("healthy:", httpx.get(server.url + "/health").json())
 print("models:", [m["id"] for m in httpx.get(server.url + "/v1/models").json()["data"]])
 
@@ -2087,7 +2106,7 @@ from aie_lessons.engine.workload import mixed_workload
 
 OBJECTIVE = Objective(ttft_s=2.0, tpot_s=0.2)
 RATES = (1.0, 4.0, 16.0)
-load_server = ServerProcess(["--max-seqs", "16", "--max-waiting", "64"], WORK / "load-server.log")
+load_server = ServerProcess(["--max-seqs", "16", "--max-waiting", "64", "--step", "eager"], WORK / "load-server.log")
 sweep = []
 for i, rate in enumerate(RATES):
     workload = mixed_workload(max(8, int(3 * rate)), seed=10 + i, prompt_lens=(16, 64), output_lens=(8, 24),

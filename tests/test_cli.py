@@ -349,6 +349,23 @@ def test_one_prompt_through_the_engine_streams_like_the_other_loops(tiny_untied_
     assert "1 request, 8 output tokens" in err
 
 
+def test_the_engines_step_compiled_keeps_the_tokens_and_says_so(tiny_untied_dir, capsys):
+    """--step compiled: stage 09's step for batches of 1 and 2, compiled before the clock starts."""
+    prompts = ["The quick brown fox", "Once upon"]
+    code, out, err = aie(capsys, "generate", *prompts, "--model", str(tiny_untied_dir), "--max-new-tokens", "6",
+                         "--max-seqs", "2", "--token-budget", "8", "--step", "compiled", "--json")
+    assert code == 0, err
+    assert [json.loads(line)["token_ids"] for line in out.splitlines()] == \
+        [e.token_ids for e in stage04(tiny_untied_dir, prompts, 6)]
+    assert "compiling the engine's step for batches of (1, 2)" in err and "compiled step)" in err
+
+
+def test_engine_flags_outside_the_engine_get_a_note(tiny_dir, capsys):
+    code, _, err = aie(capsys, "generate", "Hi", "--model", str(tiny_dir), "--max-new-tokens", "2", "--loop", "cached",
+                       "--step", "compiled")
+    assert code == 0 and "--max-seqs, --token-budget and --step only matter for the engine" in err
+
+
 @pytest.mark.parametrize("name, text", [
     ("prompts.txt", "The quick\n\n  \nOnce upon a time\n"),
     ("prompts.jsonl", '{"prompt": "The quick"}\n\n{"prompt": "Once upon\\na time"}\n'),
@@ -375,6 +392,8 @@ PROMPT_ERRORS = [
     (("generate", "x", "y", "--model", "{tiny}", "--loop", "skeleton"), "Fix: drop --loop, or use --loop engine"),
     (("generate", "x", "y", "--model", "{tiny}", "--max-seqs", "8", "--token-budget", "4"),
      "token_budget=4 < max_seqs=8"),
+    (("generate", "x", "y", "--model", "{tiny}", "--kv", "slots", "--step", "compiled"),
+     "over the paged KV cache, and --kv slots asks for stage 06's slots. Fix: drop --kv slots"),
     (("generate", "x", "y", "--model", "{tiny}", "--max-new-tokens", "64"), "prompt 1 of 2 ('x'): prompt of 1 tokens"),
     (("generate", "--prompts-file", "{tmp}/nowhere.txt"), "nowhere.txt: No such file or directory. Fix:"),
     (("generate", "--prompts-file", "{tmp}/blank.txt"), "has no prompts (blank lines are skipped). Fix:"),

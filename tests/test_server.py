@@ -29,7 +29,7 @@ pytestmark = pytest.mark.slow
 def tiny_server(tiny_dir, tmp_path_factory):
     folder = tmp_path_factory.mktemp("serve")
     config = folder / "serve.yaml"
-    config.write_text("max_body_bytes: 4096\nmax_seqs: 4\n")
+    config.write_text("max_body_bytes: 4096\nmax_seqs: 4\nstep: eager\n")
     server = ServerProcess(["--model", str(tiny_dir), "--config", str(config)], folder / "server.log", env=KEYS)
     yield server
     server.stop()
@@ -198,6 +198,7 @@ def test_a_bad_config_is_refused_by_name(tmp_path):
 
 @pytest.fixture(scope="module")
 def real_server(real_model_dir, tmp_path_factory):
+    """The course model with the default step: compiled where a C++ compiler exists (stage 09)."""
     folder = tmp_path_factory.mktemp("serve-real")
     server = ServerProcess(["--model", str(real_model_dir), "--max-seqs", "2", "--max-waiting", "1"],
                            folder / "server.log", env=KEYS)
@@ -209,10 +210,14 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):", "Three primary colou
 
 
 def test_greedy_answers_equal_the_offline_engine(real_server, real_model, real_model_dir):
+    """The server's default step, compiled before it said ready, answers as stage 07's eager engine."""
+    from aie_lessons.engine.engine_config import choose_step
     from aie_lessons.engine.paged_engine import paged_engine
     from aie_lessons.sampling import SamplingParams
     from aie_lessons.tokenizer import Tokenizer
 
+    ready = next(line for line in real_server.logs() if line["message"] == "ready")
+    assert ready["step"] == choose_step(real_model, "auto")[0]
     tokenizer = Tokenizer.from_pretrained(real_model_dir)
     offline = paged_engine(real_model, tokenizer, max_seqs=2).generate(PROMPTS, SamplingParams(max_new_tokens=24))
     client = openai.OpenAI(base_url=real_server.url + "/v1", api_key=API_KEY, max_retries=0)
@@ -322,7 +327,8 @@ def test_a_hot_swap_loses_no_request(real_server, real_model_dir):
 
 @pytest.mark.parametrize("deadline, finish_reason", [(60, "length"), (0.5, "abort")])
 def test_sigterm_drains_in_flight_requests(real_model_dir, tmp_path, deadline, finish_reason):
-    server = ServerProcess(["--model", str(real_model_dir), "--max-seqs", "2", "--drain-timeout", str(deadline)],
+    server = ServerProcess(["--model", str(real_model_dir), "--max-seqs", "2", "--drain-timeout", str(deadline),
+                            "--step", "eager"],
                            tmp_path / "server.log", env=KEYS)
     try:
         body = LONG | {"max_tokens": 40 if finish_reason == "length" else 2000}  # 40: done within the deadline
@@ -355,7 +361,7 @@ def test_a_thousand_requests_with_disconnects_lose_none_and_leak_nothing(tiny_di
     from aie_lessons.engine.workload import mixed_workload
     from aie_lessons.harness.load_test import run_load
 
-    server = ServerProcess(["--model", str(tiny_dir), "--max-seqs", "16", "--max-waiting", "2000"],
+    server = ServerProcess(["--model", str(tiny_dir), "--max-seqs", "16", "--max-waiting", "2000", "--step", "eager"],
                            tmp_path / "server.log")
     try:
         def load(n: int, seed: int):

@@ -97,7 +97,7 @@ def test_a_copying_group_queries_is_refused_not_silently_ignored(monkeypatch):
 
 def test_flash_kernel_refuses_padding_masks():
     q, k, v = inputs(SHAPES[0], device=DEVICE)
-    with pytest.raises(ValueError, match="padded batches use sdpa_attention"):
+    with pytest.raises(ValueError, match="without a padding mask; for padded batches and engine steps use sdpa_attention"):
         flash.flash_attention(q, k, v, mask=torch.ones(1, 1, 37, 37, dtype=torch.bool, device=DEVICE))
 
 

@@ -235,7 +235,8 @@ def compiled_step_refusal(model: LlamaModel) -> str | None:
     return None
 
 
-def compiled_engine(model: LlamaModel, tokenizer: Tokenizer, max_seqs: int = 64, token_budget: int = 256,
+def compiled_engine(model: LlamaModel, tokenizer: Tokenizer, max_seqs: int = SchedulerConfig.max_seqs,
+                    token_budget: int = SchedulerConfig.token_budget,
                     kv_bytes: int | None = None, block_size: int = 16, prefix_caching: bool = True,
                     aging_rate: float = 1.0, attention: AttentionFn = sdpa_attention,
                     kv_dtype: torch.dtype | None = None,

@@ -216,7 +216,7 @@ def create_app(state: ServerState) -> FastAPI:
                 await warm_up(loaded.engine)
             if state.status == "loading":  # a SIGTERM during the load has made it "draining"
                 state.status = "ready"
-            log.info("ready", extra={"fields": {"model": loaded.name, "kv_blocks":
+            log.info("ready", extra={"fields": {"model": loaded.name, "step": loaded.step, "kv_blocks":
                                                 loaded.engine.engine.runner.allocator.num_blocks}})
         except Exception as exc:
             state.status, state.failure = "failed", f"{type(exc).__name__}: {exc}"

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import yaml
 
+from aie_lessons.engine.engine_config import STEPS, EngineConfig
+
 
 class ServeConfigError(ValueError):
     """A setting the server cannot start with; the message names the field and the fix."""
@@ -25,8 +27,9 @@ class ServeConfig:
     model_dir: str | None = None  # default: the course model (aie fetch-model)
     model_name: str | None = None  # the id clients send as "model"; default: the folder's name
     dtype: str = "float32"  # the weights: float32 or bfloat16
-    max_seqs: int = 16  # requests running at once
-    token_budget: int = 256  # tokens per engine step (chunked prefill)
+    max_seqs: int = EngineConfig.max_seqs  # requests running at once
+    token_budget: int = EngineConfig.token_budget  # tokens per engine step (chunked prefill)
+    step: str = "auto"  # the engine's step (stage 09): compiled where it can run, eager where not
     kv_memory_mb: float | None = None  # the paged KV pool; default: stage 07's (16 × 1024 tokens)
     max_waiting: int = 64  # accepted requests not yet running; one more gets 503
     max_body_bytes: int = 1_000_000  # a larger request body gets 413
@@ -44,6 +47,7 @@ class ServeConfig:
             "dtype": (self.dtype in ("float32", "bfloat16"), "float32 or bfloat16"),
             "max_seqs": (self.max_seqs >= 1, "at least 1"),
             "token_budget": (self.token_budget >= 1, "at least 1"),
+            "step": (self.step in STEPS, " or ".join(STEPS)),
             "kv_memory_mb": (self.kv_memory_mb is None or self.kv_memory_mb > 0, "a positive number of MB"),
             "max_waiting": (self.max_waiting >= 1, "at least 1 (a request waits an instant even for a free place)"),
             "max_body_bytes": (self.max_body_bytes >= 1024, "at least 1024"),

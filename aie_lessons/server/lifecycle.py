@@ -13,7 +13,8 @@ from typing import Protocol
 
 import torch
 
-from aie_lessons.engine.paged_engine import paged_engine
+from aie_lessons.engine.compiled_runner import CompiledPagedRunner
+from aie_lessons.engine.engine_config import EngineConfig, build_engine
 from aie_lessons.infra.paths import default_model_dir
 from aie_lessons.model import LlamaModel
 from aie_lessons.sampling import SamplingParams
@@ -21,7 +22,7 @@ from aie_lessons.tokenizer import Tokenizer
 
 from typing import TYPE_CHECKING
 
-from aie_lessons.server.async_engine import AsyncEngine, EngineFailed
+from aie_lessons.server.async_engine import AsyncEngine, EngineFailed, log
 
 if TYPE_CHECKING:
     from aie_lessons.server.config import ServeConfig
@@ -64,22 +65,31 @@ class LoadedModel:
     tokenizer: Tokenizer
     name: str
     model_dir: Path
+    step: str  # the engine's step: "compiled" or "eager"
 
 
 def load_model(config: ServeConfig, metrics: ServerMetrics, model_dir: str | Path | None = None,
                dtype: str | None = None, name: str | None = None) -> LoadedModel:
-    """Read a checkpoint and build its paged engine (stage 07) — slow: call it on a worker thread.
-    The engine thread is not started yet."""
+    """Read a checkpoint and build its engine (stage 09's ``build_engine``) — slow: call it on a
+    worker thread. A compiled step is compiled for every bucket here, unless ``config.warm_up``
+    is off, so that no request waits for it. The engine thread is not started yet."""
     folder = Path(model_dir or config.model_dir or default_model_dir())
     tokenizer = Tokenizer.from_pretrained(folder)
     model = LlamaModel.from_pretrained(folder, dtype=getattr(torch, dtype or config.dtype))
     kv_bytes = None if config.kv_memory_mb is None else int(config.kv_memory_mb * 2**20)
     # stats_capacity: the server reads each step's stats once, right after it; a long record of
     # steps (and of the ids of requests long ended) would only take memory
-    engine = paged_engine(model, tokenizer, max_seqs=config.max_seqs, token_budget=config.token_budget,
-                          kv_bytes=kv_bytes, stats_capacity=16)
+    engine_config = EngineConfig(max_seqs=config.max_seqs, token_budget=config.token_budget, kv_bytes=kv_bytes,
+                                 step=config.step, stats_capacity=16)
+    engine = build_engine(model, tokenizer, engine_config, on_note=log.warning)
+    step = "compiled" if isinstance(engine.runner, CompiledPagedRunner) else "eager"
+    if step == "compiled" and config.warm_up:
+        start = time.monotonic()
+        log.info("compiling the engine's step", extra={"fields": {"buckets": list(engine.runner.buckets)}})
+        engine.runner.warm_up()
+        log.info("compiled", extra={"fields": {"seconds": round(time.monotonic() - start, 1)}})
     label = name or (config.model_name if model_dir is None else None) or folder.name
-    return LoadedModel(AsyncEngine(engine, config.max_waiting, metrics, label), tokenizer, label, folder)
+    return LoadedModel(AsyncEngine(engine, config.max_waiting, metrics, label), tokenizer, label, folder, step)
 
 
 async def warm_up(engine: AsyncEngine) -> None:

@@ -1,0 +1,135 @@
+"""Stage 09's EngineConfig and build_engine: one set of defaults for everything that runs the engine,
+and the step it runs — compiled where it can, eager with the reason where not, refused when asked
+for where it cannot run."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from aie_lessons.engine import engine_config
+from aie_lessons.engine.compiled_runner import CompiledPagedRunner
+from aie_lessons.engine.engine_config import STEPS, EngineConfig, build_engine, choose_step
+from aie_lessons.engine.paged_engine import paged_engine
+from aie_lessons.engine.scheduler import SchedulerConfig
+from aie_lessons.model import LlamaModel
+from aie_lessons.sampling import SamplingParams
+from aie_lessons.tokenizer import Tokenizer
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_dir):
+    return LlamaModel.from_pretrained(tiny_dir), Tokenizer.from_pretrained(tiny_dir)
+
+
+@pytest.fixture()
+def no_compiler(monkeypatch):
+    """A machine without a C++ compiler, as inductor's own lookup would report it."""
+    import aie_lessons.infra.compile_cache as compile_cache
+
+    monkeypatch.setattr(compile_cache, "cpp_compiler", lambda: None)
+
+
+@pytest.mark.parametrize("settings, named", [
+    ({"step": "fast"}, "step='fast'"),
+    ({"buckets": ()}, "buckets"),
+    ({"buckets": (1, 0)}, "buckets"),
+    ({"buckets": (1, True)}, "buckets"),
+    ({"kv_bytes": 0}, "kv_bytes"),
+    ({"block_size": 0}, "block_size"),
+    ({"max_seqs": 0}, "max_seqs"),
+    ({"max_seqs": 32, "token_budget": 16}, "raise token_budget"),
+    ({"aging_rate": -1.0}, "aging_rate"),
+])
+def test_a_bad_setting_is_refused_by_name(settings, named):
+    with pytest.raises(ValueError, match=named.replace("(", r"\(").replace(")", r"\)")):
+        EngineConfig(**settings)
+
+
+def test_one_set_of_defaults_for_the_cli_the_server_and_the_scheduler():
+    from aie_lessons import cli
+    from aie_lessons.server.config import ServeConfig
+
+    config, scheduler, serve = EngineConfig(), SchedulerConfig(), ServeConfig()
+    assert (config.max_seqs, config.token_budget, config.aging_rate) == (
+        scheduler.max_seqs, scheduler.token_budget, scheduler.aging_rate)
+    assert (cli.DEFAULT_MAX_SEQS, cli.DEFAULT_TOKEN_BUDGET) == (config.max_seqs, config.token_budget)
+    assert cli.ENGINE_STEPS == STEPS
+    assert (serve.max_seqs, serve.token_budget, serve.step) == (config.max_seqs, config.token_budget, config.step)
+
+
+def test_the_default_pool_is_stage_07s(tiny):
+    model, tokenizer = tiny
+    built = build_engine(model, tokenizer, EngineConfig(step="eager"))
+    assert built.runner.allocator.num_blocks == paged_engine(model, tokenizer).runner.allocator.num_blocks
+    assert built.config == EngineConfig().scheduler()
+
+
+def test_auto_compiles_where_it_can(tiny):
+    model, tokenizer = tiny
+    assert choose_step(model, "auto") == ("compiled", None)
+    engine = build_engine(model, tokenizer, EngineConfig(max_seqs=6, token_budget=32, buckets=(1, 2, 4, 8)))
+    assert isinstance(engine.runner, CompiledPagedRunner)
+    assert engine.runner.buckets == (1, 2, 4, 6)  # the buckets below max_seqs, and max_seqs itself
+
+
+def test_eager_is_stage_07s_engine_with_the_same_tokens(tiny):
+    model, tokenizer = tiny
+    config = EngineConfig(max_seqs=2, token_budget=16, kv_bytes=2**20, step="eager")
+    engine = build_engine(model, tokenizer, config)
+    assert not isinstance(engine.runner, CompiledPagedRunner)
+    params = SamplingParams(max_new_tokens=5, ignore_eos=True)
+    expected = paged_engine(model, tokenizer, max_seqs=2, token_budget=16, kv_bytes=2**20).generate(["a b", "c"], params)
+    assert [r.token_ids for r in engine.generate(["a b", "c"], params)] == [r.token_ids for r in expected]
+
+
+def test_without_a_compiler_auto_runs_eager_and_says_why(tiny, no_compiler):
+    model, tokenizer = tiny
+    notes = []
+    engine = build_engine(model, tokenizer, EngineConfig(), on_note=notes.append)
+    assert not isinstance(engine.runner, CompiledPagedRunner)
+    assert len(notes) == 1 and "C++ compiler" in notes[0] and "Fix: install g++" in notes[0]
+    with pytest.warns(UserWarning, match="the eager step runs, because compiling for the CPU needs a C\\+\\+"):
+        build_engine(model, tokenizer, EngineConfig())
+
+
+def test_compiled_where_it_cannot_run_is_refused_with_the_fix(tiny, no_compiler):
+    model, tokenizer = tiny
+    with pytest.raises(ValueError, match="C\\+\\+ compiler.*Fix: install g\\+\\+.*or take step='eager'"):
+        build_engine(model, tokenizer, EngineConfig(step="compiled"))
+
+
+def test_a_model_the_step_cannot_compute_runs_eager(tiny_dir, tiny):
+    _, tokenizer = tiny
+    bf16 = LlamaModel.from_pretrained(tiny_dir, dtype=torch.bfloat16, activations=torch.bfloat16)
+    step, why = choose_step(bf16, "auto")
+    assert step == "eager" and "activations" in why and "Fix:" in why
+    with pytest.raises(ValueError, match="activations"):
+        choose_step(bf16, "compiled")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # eager asked for: nothing to say
+        assert choose_step(bf16, "eager") == ("eager", None)
+        build_engine(bf16, tokenizer, EngineConfig(step="eager"))
+
+
+def test_a_device_without_a_compiled_step_is_named(monkeypatch, tiny):
+    model, _ = tiny
+    monkeypatch.setattr(engine_config, "compiled_step_refusal", lambda m: None)
+    on_meta = torch.nn.Parameter(model.embed_tokens.weight.to("meta"), requires_grad=False)
+    monkeypatch.setattr(model.embed_tokens, "weight", on_meta)  # where the step finds the model's device
+    assert "not meta" in engine_config.compiled_step_unavailable(model)
+
+
+def test_the_servers_step_is_checked_by_name(tmp_path):
+    from aie_lessons.server.config import ServeConfig, ServeConfigError, load_config
+
+    with pytest.raises(ServeConfigError, match="step='fast' is invalid: it must be auto or eager or compiled"):
+        ServeConfig(step="fast")
+    path = tmp_path / "serve.yaml"
+    path.write_text("step: eager\n")
+    assert load_config(path, environ={}).step == "eager"
+    path.write_text("step: 1\n")
+    with pytest.raises(ServeConfigError, match="field 'step' must be str"):
+        load_config(path, environ={})
