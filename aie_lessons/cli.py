@@ -140,6 +140,20 @@ def _compiled_loop_refusal(args: argparse.Namespace) -> tuple[str, str] | None:
     return None
 
 
+def _compiled_step_refusal(args: argparse.Namespace) -> str | None:
+    """Why the engine's ``--step compiled`` cannot run this request, with the fix, or None: stage
+    09's rules (``compiled_step_refusal``, ``no_compiler_for``), asked before the model loads."""
+    from aie_lessons.engine.engine_config import no_compiler_for
+
+    if args.activations != "float32":
+        return "--step compiled computes in float32. Fix: drop --activations bfloat16, or drop --step"
+    if args.quant:
+        return ("--step compiled multiplies float weights, not stage 08's quantized ones. Fix: drop --quant, or "
+                "drop --step")
+    why = no_compiler_for(args.device)
+    return f"--step compiled: {why}, or drop --step" if why else None
+
+
 def _loop(args: argparse.Namespace, count: int) -> str:
     """The generate loop to run: the engine for several prompts; for one, stage 09's compiled
     decoder wherever it can run (the CPU, float32 activations, a C++ compiler, a kernel for the
@@ -174,6 +188,9 @@ def _loop(args: argparse.Namespace, count: int) -> str:
         if args.kv == "slots" and args.step not in (None, "eager"):
             raise UsageError(f"--step {args.step} compiles a step over the paged KV cache, and --kv slots asks for "
                              "stage 06's slots. Fix: drop --kv slots, or --step")
+        refusal = _compiled_step_refusal(args) if args.step == "compiled" else None
+        if refusal:
+            raise UsageError(refusal)
     elif (args.max_seqs, args.token_budget, args.step) != (DEFAULT_MAX_SEQS, DEFAULT_TOKEN_BUDGET, None):
         print("aie generate: note: --max-seqs, --token-budget and --step only matter for the engine (--loop "
               "engine, or several prompts)", file=sys.stderr)
@@ -238,9 +255,8 @@ def _run_engine(args: argparse.Namespace, model: LlamaModel, tokenizer: Tokenize
     """Every prompt through the engine: stage 07's paged KV cache by default, or stage 06's slots."""
     import time
 
-    from aie_lessons.engine.compiled_runner import CompiledPagedRunner
     from aie_lessons.engine.engine import Engine
-    from aie_lessons.engine.engine_config import EngineConfig, build_engine
+    from aie_lessons.engine.engine_config import EngineConfig, build_engine, compile_ahead, step_of
     from aie_lessons.engine.paged_cache import slot_pool_bytes
     from aie_lessons.engine.request import RequestStatus
     from aie_lessons.generate import PromptError
@@ -261,17 +277,15 @@ def _run_engine(args: argparse.Namespace, model: LlamaModel, tokenizer: Tokenize
                                    model.embed_tokens.weight.dtype)
         config = EngineConfig(max_seqs=max_seqs, token_budget=args.token_budget, kv_bytes=kv_bytes,
                               step=args.step or "eager")
-        try:
-            engine = build_engine(model, tokenizer, config,
-                                  on_note=lambda note: print(f"aie generate: note: {note}", file=sys.stderr))
-        except ValueError as exc:  # --step compiled where it cannot run: the reason names the fix
-            raise UsageError(f"--step compiled: {exc}") from exc
-        if isinstance(engine.runner, CompiledPagedRunner):
-            step, start = "compiled", time.perf_counter()
-            print(f"aie generate: compiling the engine's step for batches of {engine.runner.buckets} (inductor's "
-                  "cache keeps it for later runs) ...", end="", file=sys.stderr, flush=True)
-            engine.runner.warm_up()
-            print(f" {time.perf_counter() - start:.0f} s", file=sys.stderr)
+        # --step compiled where it cannot run was refused before the model loaded (_loop)
+        engine = build_engine(model, tokenizer, config,
+                              on_note=lambda note: print(f"aie generate: note: {note}", file=sys.stderr))
+        seconds = compile_ahead(engine, lambda buckets: print(
+            f"aie generate: compiling the engine's step for batches of {buckets} (inductor's cache keeps it for "
+            "later runs) ...", end="", file=sys.stderr, flush=True))
+        if seconds is not None:
+            print(f" {seconds:.0f} s", file=sys.stderr)
+        step = step_of(engine)
         allocator = engine.runner.allocator
         memory = f"{allocator.num_blocks} KV blocks of {allocator.block_size} tokens"
     for i, ids in enumerate(prompt_ids):  # every prompt is checked before any runs
@@ -419,6 +433,9 @@ def _serve(args: argparse.Namespace) -> int:
     except ImportError as exc:
         raise UsageError(f"aie serve needs the serve extra ({exc.name} is missing). Fix: "
                          ".venv/bin/pip install -e '.[serve]'") from exc
+    from aie_lessons.infra.compile_cache import use_compile_cache
+
+    use_compile_cache()  # the compiled step's code in data/cache, as aie generate's; before inductor is imported
     from aie_lessons.server.config import load_config
     from aie_lessons.server.serve import serve
 
@@ -593,9 +610,11 @@ def build_parser() -> argparse.ArgumentParser:
                      help="accepted requests waiting to run; one more gets 503 (default 64)")
     srv.add_argument("--kv-memory-mb", type=float, metavar="MB", help="the paged KV pool (default: stage 07's)")
     srv.add_argument("--step", choices=ENGINE_STEPS,
-                     help="the engine's decode step: auto (the default: compiled where it can run — float32 "
-                          "activations, a C++ compiler — compiled for every batch size before the server says "
-                          "ready; eager otherwise, with the reason in the log), eager, or compiled")
+                     help="the engine's decode step: auto (the default: compiled where it can run — a C++ "
+                          "compiler on the CPU, Triton on a GPU — for the powers of two below --max-seqs and "
+                          "--max-seqs itself, before the server says ready; it keeps a second, packed copy of the "
+                          "weights; eager otherwise, with the reason in the log), eager (starts in seconds), "
+                          "or compiled")
     srv.add_argument("--drain-timeout", type=float, metavar="SECONDS",
                      help="on SIGTERM, how long in-flight requests may take to finish (default 20)")
     srv.set_defaults(run=_serve)

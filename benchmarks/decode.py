@@ -49,6 +49,7 @@ from aie_lessons.cached_generate import generate_cached
 from aie_lessons.fast_decode import FastDecoder, QuantizedFastDecoder, huge_page_empty
 from aie_lessons.sampling import SamplingParams
 from aie_lessons.model import LlamaModel
+from aie_lessons.infra.compile_cache import use_compile_cache
 from aie_lessons.infra.paths import CACHE_DIR, default_model_dir
 from aie_lessons.quantize import quantize_model
 from aie_lessons.roofline import decode_bytes_per_token, read_bandwidth
@@ -291,6 +292,7 @@ def compare_with_llama_cpp(ours: dict[str, FastDecoder], tokenizer: Tokenizer, p
 
 
 def main() -> None:
+    use_compile_cache()  # what torch.compile builds goes to data/cache/inductor, a folder per ATEN_CPU_CAPABILITY
     args = benchmark_args(__doc__.split("\n\n")[0], rounds=5)
     model_dir = default_model_dir()
     tokenizer = Tokenizer.from_pretrained(model_dir)

@@ -30,6 +30,9 @@ import statistics
 import time
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch starts OpenMP
+from aie_lessons.infra.compile_cache import use_compile_cache  # noqa: E402
+
+use_compile_cache()  # what torch.compile builds goes to data/cache/inductor, a folder per ATEN_CPU_CAPABILITY
 import torch  # noqa: E402
 
 from aie_lessons.ceilings import products_seconds  # noqa: E402

@@ -32,10 +32,12 @@ import time
 from pathlib import Path
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as `aie serve` does, so that both sides run alike
+from aie_lessons.infra.compile_cache import use_compile_cache  # noqa: E402
+
+use_compile_cache()  # what torch.compile builds goes to data/cache/inductor, a folder per ATEN_CPU_CAPABILITY
 import psutil  # noqa: E402
 
-from aie_lessons.engine.compiled_runner import CompiledPagedRunner  # noqa: E402
-from aie_lessons.engine.engine_config import STEPS, EngineConfig, build_engine  # noqa: E402
+from aie_lessons.engine.engine_config import STEPS, EngineConfig, build_engine, compile_ahead  # noqa: E402
 from aie_lessons.engine.workload import mixed_workload, run_workload  # noqa: E402
 from aie_lessons.infra.paths import default_model_dir  # noqa: E402
 from aie_lessons.model import LlamaModel  # noqa: E402
@@ -73,8 +75,9 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="aie-serve-load-"))
     vocab = LlamaModel.from_pretrained(model_dir).config.vocab_size
 
+    # ready_s: a first run compiles every bucket up to max_seqs before the server says ready, minutes on a slow CPU
     server = ServerProcess(["--max-seqs", str(args.max_seqs), "--max-waiting", "4096", "--step", args.step],
-                           work / "server.log")
+                           work / "server.log", ready_s=900)
     failures: list[str] = []
     try:
         ready = next(line for line in server.logs() if line["message"] == "ready")
@@ -96,8 +99,7 @@ def main() -> int:
         print(f"\nSaturated server vs the offline engine, {args.requests} requests at once, {args.rounds} rounds:")
         model, tokenizer = LlamaModel.from_pretrained(model_dir), Tokenizer.from_pretrained(model_dir)
         engine = build_engine(model, tokenizer, EngineConfig(max_seqs=args.max_seqs, step=args.step))
-        if isinstance(engine.runner, CompiledPagedRunner):  # compiled before it is timed, as the server's
-            engine.runner.warm_up()
+        compile_ahead(engine)  # before it is timed, as the server compiles before it says ready
         served, offline = [], []
         for round_ in range(args.rounds):
             # a new workload each round: the server's prefix cache keeps the last one's prompts

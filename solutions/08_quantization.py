@@ -39,11 +39,13 @@ import torch
 from tqdm.auto import tqdm
 
 from aie_lessons import checks
+from aie_lessons.infra.compile_cache import use_compile_cache
 from aie_lessons.infra.paths import DATA_DIR, default_model_dir
 from aie_lessons.model import LAST_POSITION, AttentionMetadata, LlamaModel
 from aie_lessons.precision import agreement
 from aie_lessons.tokenizer import Tokenizer
 
+use_compile_cache()  # what torch.compile builds is kept in data/cache/inductor, a folder per instruction set
 torch.manual_seed(0)
 MODEL_DIR = default_model_dir()
 model = LlamaModel.from_pretrained(MODEL_DIR)

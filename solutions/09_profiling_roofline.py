@@ -56,6 +56,7 @@ import matplotlib.pyplot as plt
 import torch
 
 from aie_lessons import checks
+from aie_lessons.infra.compile_cache import use_compile_cache
 from aie_lessons.infra.paths import default_model_dir
 from aie_lessons.kv_cache import KVCache
 from aie_lessons.model import LAST_POSITION, AttentionMetadata, LlamaModel
@@ -63,6 +64,7 @@ from aie_lessons.quantize import bytes_read_per_token, quantize_model
 from aie_lessons.roofline import read_bandwidth
 from aie_lessons.tokenizer import Tokenizer
 
+use_compile_cache()  # what torch.compile builds is kept in data/cache/inductor, a folder per instruction set
 torch.manual_seed(0)
 MODEL_DIR = default_model_dir()
 model = LlamaModel.from_pretrained(MODEL_DIR)
@@ -1973,8 +1975,9 @@ def compiled_engine(model: LlamaModel, tokenizer: Tokenizer, max_seqs: int = Sch
 # requests decoding at once, in fp32 first. Both engines get the same prompts and the same KV
 # budget; `decode_rate` counts only the steps in which every request decodes (prompt steps run
 # the eager model in both), and drops the first two. The compiled engine is given the buckets
-# 1, 4 and 16 only — the batch sizes this cell runs — and warms up first (the cell prints how
-# long that took); a serving engine keeps the default buckets, 1, 2, 4, 8, … up to `max_seqs`.
+# 1, 4 and 16 only — the batch sizes measured here — and warms up first, in a cell of its own
+# (it prints how long that took: compiling on a first run, loading inductor's cache after); a
+# serving engine keeps the default buckets, 1, 2, 4, 8, … up to `max_seqs`.
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -2008,9 +2011,12 @@ def engine_pair(weights_model):
     return eager, compiled
 
 
+fp32_engines = engine_pair(model)
+
+# %%
+# NBVAL_IGNORE_OUTPUT
 engine_speed = {}  # (weights, running, "eager" or "compiled"): decode tokens/s
 same_engine_tokens = {}
-fp32_engines = engine_pair(model)
 for running in ENGINE_ROWS:
     (eager_rate, eager_tokens), (compiled_rate, compiled_tokens) = (decode_rate(e, running) for e in fp32_engines)
     engine_speed["fp32", running, "eager"], engine_speed["fp32", running, "compiled"] = eager_rate, compiled_rate
@@ -2102,6 +2108,9 @@ print(f"fp32, {rows16} running: the eager step takes {eager16 * 1e3:.1f} ms, the
 # %%
 # NBVAL_IGNORE_OUTPUT
 bf16_engines = engine_pair(bf16_model)
+
+# %%
+# NBVAL_IGNORE_OUTPUT
 for running in ENGINE_ROWS:
     (eager_rate, _), (compiled_rate, _) = (decode_rate(e, running) for e in bf16_engines)
     engine_speed["bf16", running, "eager"], engine_speed["bf16", running, "compiled"] = eager_rate, compiled_rate
@@ -2172,7 +2181,9 @@ print("compiled bf16 agrees with eager bf16 on at least 90% of the steps' next t
 # The compiled step needs fp32 or bf16 weights with fp32 activations (not stage 08's quantized
 # layers) and a compiler for the device: a C++ compiler for a CPU, Triton for a GPU. Compiling
 # costs time once (each bucket, or loading inductor's cache of it), so `aie serve`, which runs
-# for hours, takes `"auto"` and warms every bucket up before it says it is ready, while
+# for hours, takes `"auto"` and compiles every bucket (`compile_ahead`) before it says it is
+# ready (the compiled step also keeps a second, packed copy of the weights: as many bytes again
+# as the model's), while
 # `aie generate`, a few prompts and done, runs eager unless `--step` says otherwise.
 
 # %%
@@ -2189,7 +2200,8 @@ from dataclasses import dataclass
 
 import torch
 
-from aie_lessons.engine.compiled_runner import BATCH_BUCKETS, compiled_engine, compiled_step_refusal
+from aie_lessons.engine.compiled_runner import (BATCH_BUCKETS, CompiledPagedRunner, compiled_engine,
+                                                compiled_step_refusal)
 from aie_lessons.engine.engine import Engine
 from aie_lessons.engine.paged_engine import paged_engine
 from aie_lessons.engine.scheduler import SchedulerConfig
@@ -2234,13 +2246,21 @@ class EngineConfig:
         return SchedulerConfig(self.max_seqs, self.token_budget, self.aging_rate)
 
 
+class StepUnavailable(ValueError):
+    """``step="compiled"`` asked for where the compiled step cannot run: the message says why and
+    what to do. Its own class, so that a caller can tell it from a bad setting or a bad checkpoint."""
+
+
 def compiled_step_unavailable(model: LlamaModel) -> str | None:
     """Why the compiled step cannot run ``model`` here, with the fix, or None: the model's reasons
-    (``compiled_step_refusal``), then the machine's — a compiler for the model's device."""
-    refusal = compiled_step_refusal(model)
-    if refusal:
-        return refusal
-    device = model.embed_tokens.weight.device.type
+    (``compiled_step_refusal``), then the machine's."""
+    return compiled_step_refusal(model) or no_compiler_for(model.embed_tokens.weight.device)
+
+
+def no_compiler_for(device: torch.device | str) -> str | None:
+    """Why nothing here can compile the step for ``device``, with the fix, or None: a CPU needs a
+    C++ compiler, a CUDA GPU needs Triton. A command line asks this before it loads a model."""
+    device = torch.device(device).type
     if device == "cpu":
         from aie_lessons.infra.compile_cache import cpp_compiler
 
@@ -2257,11 +2277,13 @@ def compiled_step_unavailable(model: LlamaModel) -> str | None:
 def choose_step(model: LlamaModel, step: str) -> tuple[str, str | None]:
     """The step an engine for ``model`` runs, "eager" or "compiled", and why "auto" chose eager
     (None otherwise). "compiled" where it cannot run is refused, with the reason."""
+    if step not in STEPS:
+        raise ValueError(f"step={step!r} is not one of {', '.join(map(repr, STEPS))}")
     if step == "eager":
         return "eager", None
     why = compiled_step_unavailable(model)
     if why and step == "compiled":
-        raise ValueError(f"the compiled step cannot run here: {why}, or take step='eager'")
+        raise StepUnavailable(f"the compiled step cannot run here: {why}, or take step='eager'")
     return ("eager", why) if why else ("compiled", None)
 
 
@@ -2270,12 +2292,15 @@ def build_engine(model: LlamaModel, tokenizer: Tokenizer, config: EngineConfig =
                  on_note: Callable[[str], None] | None = None) -> Engine:
     """The engine ``config`` describes, over a paged cache: stage 07's ``paged_engine`` or this
     stage's ``compiled_engine``. When "auto" falls back to eager, ``on_note`` hears why (default:
-    a warning). The compiled step compiles each bucket on first use: ``engine.runner.warm_up()``
-    does it ahead."""
+    a warning). The compiled step compiles each bucket on first use: ``compile_ahead`` does it
+    before any request waits for it."""
     step, why = choose_step(model, config.step)
     if why:
         note = f"the eager step runs, because {why}"
-        warnings.warn(note) if on_note is None else on_note(note)
+        if on_note is None:
+            warnings.warn(note, stacklevel=2)
+        else:
+            on_note(note)
     settings = dict(max_seqs=config.max_seqs, token_budget=config.token_budget, kv_bytes=config.kv_bytes,
                     block_size=config.block_size, prefix_caching=config.prefix_caching,
                     aging_rate=config.aging_rate, kv_dtype=config.kv_dtype, clock=clock,
@@ -2285,6 +2310,24 @@ def build_engine(model: LlamaModel, tokenizer: Tokenizer, config: EngineConfig =
     return paged_engine(model, tokenizer, **settings)
 
 
+def step_of(engine: Engine) -> str:
+    """The step ``engine`` runs, "compiled" or "eager" ("auto" has been decided by now)."""
+    return "compiled" if isinstance(engine.runner, CompiledPagedRunner) else "eager"
+
+
+def compile_ahead(engine: Engine, on_start: Callable[[tuple[int, ...]], None] | None = None) -> float | None:
+    """Compile a compiled engine's step for every bucket now (or load it from inductor's cache),
+    so that no request waits for the compiler; ``on_start`` hears the buckets first, since this
+    takes seconds to minutes. The seconds it took, or None for an eager engine (nothing to do)."""
+    if step_of(engine) != "compiled":
+        return None
+    if on_start is not None:
+        on_start(engine.runner.buckets)
+    start = time.perf_counter()
+    engine.runner.warm_up()
+    return time.perf_counter() - start
+
+
 # %% [markdown]
 # What `"auto"` picks for the models of this notebook, and for one it cannot compile (bf16
 # activations); then a small engine built from a configuration, against stage 07's eager engine
@@ -2292,8 +2335,7 @@ def build_engine(model: LlamaModel, tokenizer: Tokenizer, config: EngineConfig =
 
 # %%
 # NBVAL_IGNORE_OUTPUT
-from aie_lessons.engine.engine_config import EngineConfig, build_engine, choose_step
-from aie_lessons.engine.compiled_runner import CompiledPagedRunner
+from aie_lessons.engine.engine_config import EngineConfig, build_engine, choose_step, compile_ahead, step_of
 
 bf16_activations = LlamaModel.from_pretrained(MODEL_DIR, dtype=torch.bfloat16, activations=torch.bfloat16)
 for name, candidate in (("fp32 weights", model), ("bf16 weights", bf16_model), ("bf16 activations", bf16_activations)):
@@ -2303,17 +2345,17 @@ del bf16_activations
 
 small = EngineConfig(max_seqs=4, buckets=(1, 4), kv_bytes=64 * 2**20)
 configured = build_engine(model, tokenizer, small)
-start = time.perf_counter()
-configured.runner.warm_up()
-print(f"build_engine, max_seqs={small.max_seqs}, step={small.step!r}: {type(configured.runner).__name__}, "
-      f"buckets {configured.runner.buckets}, warmed up in {time.perf_counter() - start:.0f} s")
+seconds = compile_ahead(configured)
+print(f"build_engine, max_seqs={small.max_seqs}, step={small.step!r}: the {step_of(configured)} step, "
+      f"{type(configured.runner).__name__}" + ("" if seconds is None else
+      f", buckets {configured.runner.buckets} compiled in {seconds:.0f} s"))
 configured_tokens = [r.token_ids for r in configured.generate(engine_prompts[:4], engine_params)]
 eager_tokens = [r.token_ids for r in paged_engine(model, tokenizer, max_seqs=4, kv_bytes=64 * 2**20)
                 .generate(engine_prompts[:4], engine_params)]
 
 # %%
 print("where a C++ compiler exists, build_engine's default step is the compiled one:",
-      isinstance(configured.runner, CompiledPagedRunner) == (choose_step(model, "auto")[0] == "compiled"))
+      step_of(configured) == choose_step(model, "auto")[0])
 print("and it keeps stage 07's greedy tokens:", configured_tokens == eager_tokens)
 del configured
 

@@ -1020,7 +1020,7 @@ class ServeConfig:
     drain_timeout_s: float = 20.0
     api_key: str | None = None  # if set, /v1/* needs "Authorization: Bearer <api_key>"
     admin_key: str | None = None  # /admin/* needs it; without one the admin API is off
-    warm_up: bool = True  # one short request through the engine before /health says ok
+    warm_up: bool = True  # compile every bucket of a compiled step, then one short request, before /health says ok
 
     def __post_init__(self) -> None:
         checks = {
@@ -1139,16 +1139,18 @@ def load_config(path: Path | None = None, environ: dict[str, str] | None = None)
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import math
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import torch
 
-from aie_lessons.engine.compiled_runner import CompiledPagedRunner
-from aie_lessons.engine.engine_config import EngineConfig, build_engine
+from aie_lessons.engine.engine_config import EngineConfig, build_engine, compile_ahead, step_of
 from aie_lessons.infra.paths import default_model_dir
 from aie_lessons.model import LlamaModel
 from aie_lessons.sampling import SamplingParams
@@ -1214,8 +1216,8 @@ class LoadedModel:
 
 def load_model(config: ServeConfig, metrics: ServerMetrics, model_dir: str | Path | None = None,
                dtype: str | None = None, name: str | None = None) -> LoadedModel:
-    """Read a checkpoint and build its engine (stage 09's ``build_engine``) — slow: call it on a
-    worker thread. A compiled step is compiled for every bucket here, unless ``config.warm_up``
+    """Read a checkpoint and build its engine (stage 09's ``build_engine``) — slow: call it with
+    ``off_the_loop``. A compiled step is compiled for every bucket here, unless ``config.warm_up``
     is off, so that no request waits for it. The engine thread is not started yet."""
     folder = Path(model_dir or config.model_dir or default_model_dir())
     tokenizer = Tokenizer.from_pretrained(folder)
@@ -1226,14 +1228,45 @@ def load_model(config: ServeConfig, metrics: ServerMetrics, model_dir: str | Pat
     engine_config = EngineConfig(max_seqs=config.max_seqs, token_budget=config.token_budget, kv_bytes=kv_bytes,
                                  step=config.step, stats_capacity=16)
     engine = build_engine(model, tokenizer, engine_config, on_note=log.warning)
-    step = "compiled" if isinstance(engine.runner, CompiledPagedRunner) else "eager"
-    if step == "compiled" and config.warm_up:
-        start = time.monotonic()
-        log.info("compiling the engine's step", extra={"fields": {"buckets": list(engine.runner.buckets)}})
-        engine.runner.warm_up()
-        log.info("compiled", extra={"fields": {"seconds": round(time.monotonic() - start, 1)}})
+    if config.warm_up:
+        seconds = compile_ahead(engine, lambda buckets: log.info("compiling the engine's step",
+                                                                 extra={"fields": {"buckets": list(buckets)}}))
+        if seconds is not None:
+            log.info("compiled", extra={"fields": {"seconds": round(seconds, 1)}})
     label = name or (config.model_name if model_dir is None else None) or folder.name
-    return LoadedModel(AsyncEngine(engine, config.max_waiting, metrics, label), tokenizer, label, folder, step)
+    return LoadedModel(AsyncEngine(engine, config.max_waiting, metrics, label), tokenizer, label, folder,
+                       step_of(engine))
+
+
+T = TypeVar("T")
+
+
+OFF_THE_LOOP = "aie-off-the-loop"  # the name of off_the_loop's threads
+
+
+async def off_the_loop(function: Callable[..., T], *args) -> T:
+    """``function(*args)`` on a thread of its own, awaited: for loading a model, which takes
+    seconds to minutes (compiling, the first time) and cannot be interrupted. Not on
+    ``asyncio.to_thread``'s workers: a process waits for those before it exits, so a Ctrl-C
+    during a compile would wait for the compiler. This thread is a daemon that a stopping
+    server leaves behind (``work_left_behind``); asyncio drops a result that comes too late."""
+    done: concurrent.futures.Future[T] = concurrent.futures.Future()
+
+    def run() -> None:
+        if not done.set_running_or_notify_cancel():
+            return
+        try:
+            done.set_result(function(*args))
+        except BaseException as exc:  # handed to the awaiting task, which raises it
+            done.set_exception(exc)
+
+    threading.Thread(target=run, name=f"{OFF_THE_LOOP}: {getattr(function, '__name__', 'work')}", daemon=True).start()
+    return await asyncio.wrap_future(done)
+
+
+def work_left_behind() -> list[str]:
+    """What ``off_the_loop`` threads are still running, by function name."""
+    return [t.name.split(": ", 1)[1] for t in threading.enumerate() if t.name.startswith(OFF_THE_LOOP + ": ")]
 
 
 async def warm_up(engine: AsyncEngine) -> None:
@@ -1320,6 +1353,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict
 
+from aie_lessons.engine.engine_config import StepUnavailable
 from aie_lessons.generate import PromptError
 from aie_lessons.sampling import SamplingParamsError
 
@@ -1496,7 +1530,7 @@ def create_app(state: ServerState) -> FastAPI:
 
     async def start() -> None:
         try:
-            loaded = await asyncio.to_thread(load_model, state.config, state.metrics)
+            loaded = await off_the_loop(load_model, state.config, state.metrics)
             loaded.engine.start()
             state.slot = EngineSlot(loaded)
             if state.config.warm_up:
@@ -1609,8 +1643,12 @@ def create_app(state: ServerState) -> FastAPI:
         log.info("swapping", extra={"fields": {"model_dir": body.model_dir, "dtype": body.dtype}})
         try:
             try:
-                new = await asyncio.to_thread(load_model, state.config, state.metrics, body.model_dir, body.dtype,
-                                              body.model_name)
+                new = await off_the_loop(load_model, state.config, state.metrics, body.model_dir, body.dtype,
+                                         body.model_name)
+            except StepUnavailable as exc:  # the checkpoint is fine; the configured step cannot run it
+                raise APIError(400, f"cannot swap to {body.model_dir!r} with the server's step {state.config.step!r}: "
+                                    f"{exc} (step: in the server's config). The current model keeps serving",
+                               param="model_dir")
             except Exception as exc:  # a missing folder, a broken checkpoint: the old model keeps serving
                 raise APIError(400, f"cannot load {body.model_dir!r}: {type(exc).__name__}: {exc}. The current "
                                     "model keeps serving. Fix: the folder of a checkpoint (aie fetch-model writes "
@@ -1620,9 +1658,9 @@ def create_app(state: ServerState) -> FastAPI:
             report = await slot.swap(new, state.config.warm_up)
         finally:
             slot.swapping = False
-        log.info("swapped", extra={"fields": {"old": report.old, "new": report.new,
+        log.info("swapped", extra={"fields": {"old": report.old, "new": report.new, "step": new.step,
                                               "drained": report.drained.in_flight}})
-        return {"old": report.old, "new": report.new, "drained": report.drained.in_flight,
+        return {"old": report.old, "new": report.new, "step": new.step, "drained": report.drained.in_flight,
                 "aborted": report.drained.aborted, "seconds": round(report.drained.seconds, 3)}
 
     app.add_middleware(RequestGuard, state=state)
@@ -1632,7 +1670,9 @@ def create_app(state: ServerState) -> FastAPI:
 # %% [markdown]
 # Last, the process: uvicorn runs the application, and its first `SIGTERM` or `SIGINT` no longer
 # exits at once — it starts your drain, and the server exits when the drain is done. A second
-# signal still exits at once, for the operator who really means it.
+# signal still exits at once, for the operator who really means it. A signal while the model is
+# still loading (a first compile can take minutes) exits at once too: the load runs on a thread
+# of its own (`off_the_loop`), which nothing can interrupt, so the process leaves without it.
 
 # %%
 # export: server.serve
@@ -1641,6 +1681,7 @@ def create_app(state: ServerState) -> FastAPI:
 from __future__ import annotations
 
 import asyncio
+import os
 import sys
 
 import uvicorn
@@ -1695,7 +1736,15 @@ def serve(config: ServeConfig) -> int:
                                            access_log=False, timeout_graceful_shutdown=5), state)
     state.on_failure = lambda: setattr(server, "should_exit", True)  # a model that cannot load: exit, status 1
     server.run()
-    return 0 if state.status != "failed" else 1
+    status = 0 if state.status != "failed" else 1
+    left = work_left_behind()
+    if left:
+        # A model still loading (compiling) on a thread nothing can stop: the interpreter's own
+        # shutdown would abort under it (C++ threads still running), so leave without it.
+        log.info("exiting before the load ended", extra={"fields": {"unfinished": left}})
+        sys.stderr.flush()
+        os._exit(status)
+    return status
 
 
 # %% [markdown]

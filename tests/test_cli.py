@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -360,6 +361,35 @@ def test_the_engines_step_compiled_keeps_the_tokens_and_says_so(tiny_untied_dir,
     assert "compiling the engine's step for batches of (1, 2)" in err and "compiled step)" in err
 
 
+def test_the_engines_step_compiled_without_a_compiler_is_refused_before_the_model_loads(monkeypatch, capsys):
+    from aie_lessons.infra import compile_cache
+
+    monkeypatch.setattr(compile_cache, "cpp_compiler", lambda: None)
+    code, out, err = aie(capsys, "generate", "x", "y", "--model", "/nowhere", "--step", "compiled")
+    assert code == 2 and not out and len(err.strip().splitlines()) == 1, err
+    assert "--step compiled: compiling for the CPU needs a C++ compiler" in err and "or drop --step" in err
+
+
+def test_serve_keeps_compiled_code_in_the_courses_cache(tiny_dir, tmp_path, monkeypatch, capsys):
+    """aie serve compiles its step: into data/cache/inductor (its subfolder for ATEN_CPU_CAPABILITY),
+    as aie generate does, set before the server imports inductor — not in inductor's /tmp default."""
+    import aie_lessons.infra.compile_cache as cache
+    import aie_lessons.server.serve as serve_module
+
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    monkeypatch.setattr(cache, "INDUCTOR_CACHE", tmp_path / "inductor")
+    seen = {}
+
+    def serve(config) -> int:  # where the server would start: what it would compile into
+        seen.update(folder=os.environ.get("TORCHINDUCTOR_CACHE_DIR"), step=config.step)
+        return 0
+
+    monkeypatch.setattr(serve_module, "serve", serve)
+    code, _, err = aie(capsys, "serve", "--model", str(tiny_dir), "--step", "eager")
+    assert code == 0, err
+    assert seen == {"folder": str(cache.cache_folder(tmp_path / "inductor")), "step": "eager"}
+
+
 def test_engine_flags_outside_the_engine_get_a_note(tiny_dir, capsys):
     code, _, err = aie(capsys, "generate", "Hi", "--model", str(tiny_dir), "--max-new-tokens", "2", "--loop", "cached",
                        "--step", "compiled")
@@ -394,6 +424,10 @@ PROMPT_ERRORS = [
      "token_budget=4 < max_seqs=8"),
     (("generate", "x", "y", "--model", "{tiny}", "--kv", "slots", "--step", "compiled"),
      "over the paged KV cache, and --kv slots asks for stage 06's slots. Fix: drop --kv slots"),
+    (("generate", "x", "y", "--model", "{tiny}", "--step", "compiled", "--activations", "bfloat16"),
+     "--step compiled computes in float32. Fix: drop --activations bfloat16"),
+    (("generate", "x", "y", "--model", "{tiny}", "--step", "compiled", "--quant", "int8"),
+     "--step compiled multiplies float weights, not stage 08's quantized ones. Fix: drop --quant"),
     (("generate", "x", "y", "--model", "{tiny}", "--max-new-tokens", "64"), "prompt 1 of 2 ('x'): prompt of 1 tokens"),
     (("generate", "--prompts-file", "{tmp}/nowhere.txt"), "nowhere.txt: No such file or directory. Fix:"),
     (("generate", "--prompts-file", "{tmp}/blank.txt"), "has no prompts (blank lines are skipped). Fix:"),

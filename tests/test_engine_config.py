@@ -11,7 +11,8 @@ import torch
 
 from aie_lessons.engine import engine_config
 from aie_lessons.engine.compiled_runner import CompiledPagedRunner
-from aie_lessons.engine.engine_config import STEPS, EngineConfig, build_engine, choose_step
+from aie_lessons.engine.engine_config import (STEPS, EngineConfig, StepUnavailable, build_engine, choose_step,
+                                              compile_ahead, step_of)
 from aie_lessons.engine.paged_engine import paged_engine
 from aie_lessons.engine.scheduler import SchedulerConfig
 from aie_lessons.model import LlamaModel
@@ -67,12 +68,42 @@ def test_the_default_pool_is_stage_07s(tiny):
     assert built.config == EngineConfig().scheduler()
 
 
-def test_auto_compiles_where_it_can(tiny):
+def test_auto_compiles_where_it_can(tiny, monkeypatch):
+    import aie_lessons.infra.compile_cache as compile_cache
+
+    monkeypatch.setattr(compile_cache, "cpp_compiler", lambda: "g++")  # a machine with a compiler, this one or not
     model, tokenizer = tiny
     assert choose_step(model, "auto") == ("compiled", None)
     engine = build_engine(model, tokenizer, EngineConfig(max_seqs=6, token_budget=32, buckets=(1, 2, 4, 8)))
-    assert isinstance(engine.runner, CompiledPagedRunner)
+    assert isinstance(engine.runner, CompiledPagedRunner) and step_of(engine) == "compiled"
     assert engine.runner.buckets == (1, 2, 4, 6)  # the buckets below max_seqs, and max_seqs itself
+
+
+def test_compile_ahead_compiles_every_bucket_and_says_which_first(tiny):
+    model, tokenizer = tiny
+    if choose_step(model, "auto")[0] != "compiled":
+        pytest.skip(f"the compiled step cannot run here: {choose_step(model, 'auto')[1]}")
+    engine = build_engine(model, tokenizer, EngineConfig(max_seqs=2, token_budget=16, kv_bytes=2**20))
+    compiled, decode_step = [], engine.runner.decode_step
+
+    def counted(rows):
+        compiled.append(len(rows.ids))  # the bucket: warm-up steps are padding only
+        return decode_step(rows)
+
+    engine.runner.decode_step = counted
+    heard = []
+    seconds = compile_ahead(engine, heard.append)
+    assert heard == [(1, 2)] and compiled == [1, 2] and seconds > 0
+    params = SamplingParams(max_new_tokens=5, ignore_eos=True)
+    expected = paged_engine(model, tokenizer, max_seqs=2, token_budget=16, kv_bytes=2**20).generate(["a b", "c"], params)
+    assert [r.token_ids for r in engine.generate(["a b", "c"], params)] == [r.token_ids for r in expected]
+
+
+def test_compile_ahead_has_nothing_to_do_for_the_eager_step(tiny):
+    model, tokenizer = tiny
+    engine = build_engine(model, tokenizer, EngineConfig(step="eager"))
+    heard = []
+    assert compile_ahead(engine, heard.append) is None and heard == [] and step_of(engine) == "eager"
 
 
 def test_eager_is_stage_07s_engine_with_the_same_tokens(tiny):
@@ -97,8 +128,14 @@ def test_without_a_compiler_auto_runs_eager_and_says_why(tiny, no_compiler):
 
 def test_compiled_where_it_cannot_run_is_refused_with_the_fix(tiny, no_compiler):
     model, tokenizer = tiny
-    with pytest.raises(ValueError, match="C\\+\\+ compiler.*Fix: install g\\+\\+.*or take step='eager'"):
+    with pytest.raises(StepUnavailable, match="C\\+\\+ compiler.*Fix: install g\\+\\+.*or take step='eager'"):
         build_engine(model, tokenizer, EngineConfig(step="compiled"))
+
+
+def test_choose_step_refuses_a_step_it_does_not_know(tiny):
+    model, _ = tiny
+    with pytest.raises(ValueError, match="step='fast' is not one of 'auto', 'eager', 'compiled'"):
+        choose_step(model, "fast")
 
 
 def test_a_model_the_step_cannot_compute_runs_eager(tiny_dir, tiny):
@@ -106,7 +143,7 @@ def test_a_model_the_step_cannot_compute_runs_eager(tiny_dir, tiny):
     bf16 = LlamaModel.from_pretrained(tiny_dir, dtype=torch.bfloat16, activations=torch.bfloat16)
     step, why = choose_step(bf16, "auto")
     assert step == "eager" and "activations" in why and "Fix:" in why
-    with pytest.raises(ValueError, match="activations"):
+    with pytest.raises(StepUnavailable, match="activations"):
         choose_step(bf16, "compiled")
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # eager asked for: nothing to say
@@ -120,6 +157,7 @@ def test_a_device_without_a_compiled_step_is_named(monkeypatch, tiny):
     on_meta = torch.nn.Parameter(model.embed_tokens.weight.to("meta"), requires_grad=False)
     monkeypatch.setattr(model.embed_tokens, "weight", on_meta)  # where the step finds the model's device
     assert "not meta" in engine_config.compiled_step_unavailable(model)
+    assert "not mps" in engine_config.no_compiler_for("mps")  # what the CLI asks before it loads a model
 
 
 def test_the_servers_step_is_checked_by_name(tmp_path):

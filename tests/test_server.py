@@ -8,8 +8,12 @@ overload, disconnects, SIGTERM and the hot swap, which need requests that last a
 from __future__ import annotations
 
 import json
+import os
 import signal
+import subprocess
+import sys
 import threading
+import time
 
 import httpx
 import openai
@@ -183,14 +187,89 @@ def test_each_request_has_an_id_in_its_response_and_a_json_log_line(tiny_server)
 
 
 def test_a_bad_config_is_refused_by_name(tmp_path):
-    import subprocess
-    import sys
-
     config = tmp_path / "serve.yaml"
     config.write_text("max_seq: 4\n")
     run = subprocess.run([sys.executable, "-m", "aie_lessons.cli", "serve", "--config", str(config)],
                          capture_output=True, text=True, timeout=120)
     assert run.returncode == 2 and "unknown field 'max_seq'" in run.stderr and "'max_seqs'" in run.stderr
+
+
+# --- the compiled step (stage 09) on the tiny model ---------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def compiles(tiny_dir):
+    from aie_lessons.engine.engine_config import choose_step
+    from aie_lessons.model import LlamaModel
+
+    step, why = choose_step(LlamaModel.from_pretrained(tiny_dir), "auto")
+    if step != "compiled":
+        pytest.skip(f"the compiled step cannot run here: {why}")
+
+
+def test_the_compiled_step_is_compiled_before_the_server_says_ready(tiny_dir, tmp_path, compiles):
+    """Every bucket is compiled before /health says 200, and the answers are the eager engine's."""
+    from aie_lessons.engine.paged_engine import paged_engine
+    from aie_lessons.model import LlamaModel
+    from aie_lessons.sampling import SamplingParams
+    from aie_lessons.tokenizer import Tokenizer
+
+    server = ServerProcess(["--model", str(tiny_dir), "--max-seqs", "2", "--step", "compiled"],
+                           tmp_path / "server.log", env=KEYS)
+    try:
+        lines = server.logs()
+        messages = [line["message"] for line in lines]
+        assert messages.index("compiling the engine's step") < messages.index("compiled") < messages.index("ready")
+        assert lines[messages.index("compiling the engine's step")]["buckets"] == [1, 2]
+        assert lines[messages.index("ready")]["step"] == "compiled"
+        prompts = ["the cat", "a dog and"]
+        offline = paged_engine(LlamaModel.from_pretrained(tiny_dir), Tokenizer.from_pretrained(tiny_dir), max_seqs=2
+                               ).generate(prompts, SamplingParams(max_new_tokens=6, ignore_eos=True))
+        for prompt, expected in zip(prompts, offline):
+            answer = post(server, "/v1/completions", {"prompt": prompt, "max_tokens": 6, "temperature": 0,
+                                                      "ignore_eos": True})
+            assert answer.json()["choices"][0]["text"] == expected.text
+    finally:
+        assert server.stop() == 0
+
+
+def test_without_warm_up_the_server_compiles_on_first_use(tiny_dir, tmp_path, compiles):
+    config = tmp_path / "serve.yaml"
+    config.write_text("warm_up: false\nstep: compiled\nmax_seqs: 2\n")
+    server = ServerProcess(["--model", str(tiny_dir), "--config", str(config)], tmp_path / "server.log", env=KEYS)
+    try:
+        messages = [line["message"] for line in server.logs()]
+        assert "compiling the engine's step" not in messages
+        assert next(line for line in server.logs() if line["message"] == "ready")["step"] == "compiled"
+        answer = post(server, "/v1/completions", {"prompt": "the cat", "max_tokens": 4, "ignore_eos": True})
+        assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] == 4
+    finally:
+        assert server.stop() == 0
+
+
+def test_a_signal_during_the_first_compile_stops_the_server_at_once(tiny_dir, tmp_path, compiles):
+    """A first compile of every bucket takes a minute; a SIGTERM then must not wait for it: the
+    load runs on a daemon thread, which the process leaves behind. (An empty inductor cache, so
+    that the compile is under way when the signal comes.)"""
+    log_file = tmp_path / "server.log"
+    env = {**os.environ, **KEYS, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "empty-cache")}
+    with log_file.open("w") as stderr:
+        process = subprocess.Popen([sys.executable, "-m", "aie_lessons.cli", "serve", "--port", "0", "--model",
+                                    str(tiny_dir), "--max-seqs", "16", "--step", "compiled"],
+                                   stdout=subprocess.DEVNULL, stderr=stderr, env=env)
+    try:
+        wait_until(lambda: "compiling the engine's step" in log_file.read_text(), timeout=120,
+                   what="the compile under way")
+        process.send_signal(signal.SIGTERM)
+        start = time.monotonic()
+        assert process.wait(30) == 0
+        assert time.monotonic() - start < 10, log_file.read_text()
+        messages = [json.loads(line)["message"] for line in log_file.read_text().splitlines() if line.startswith("{")]
+        assert "compiled" not in messages, "the compile finished first: the test proved nothing"
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
 
 
 # --- the course model: answers, overload, disconnects, SIGTERM, hot swap ------------------------
@@ -230,27 +309,47 @@ def test_greedy_answers_equal_the_offline_engine(real_server, real_model, real_m
         assert "".join(chunk.choices[0].text for chunk in streamed) == reference.text
 
 
+def _stream(server, body: dict, result: dict, started: threading.Event | None = None) -> None:
+    """One streaming request: ``result`` gets its status, payloads and finish reason."""
+    with httpx.stream("POST", server.url + "/v1/completions", json=body | {"stream": True}, headers=AUTH,
+                      timeout=120) as response:
+        result["status"] = response.status_code
+        if started is not None:
+            started.set()
+        if response.status_code != 200:
+            response.read()
+            result["body"] = response.json()
+            return
+        payloads = sse_payloads(response)
+    result["payloads"] = payloads
+    result["finish_reason"] = json.loads(payloads[-2])["choices"][0]["finish_reason"]
+
+
 def _stream_in_background(server, body: dict, started: threading.Event | None = None) -> tuple[threading.Thread, dict]:
-    """A streaming request on a thread: ``result`` gets its status, payloads and finish reason."""
+    """A streaming request on a thread."""
     result: dict = {}
+    thread = threading.Thread(target=_stream, args=(server, body, result, started))
+    thread.start()
+    return thread, result
+
+
+def _keep_streaming(server, body: dict, until: threading.Event) -> tuple[threading.Thread, list[dict]]:
+    """A client that always has a stream in flight until ``until`` is set: it starts the next one
+    when the last ends, and tries again after a ``503`` for a full queue (the answer it asks for)."""
+    results: list[dict] = []
 
     def run():
-        with httpx.stream("POST", server.url + "/v1/completions", json=body | {"stream": True}, headers=AUTH,
-                          timeout=120) as response:
-            result["status"] = response.status_code
-            if started is not None:
-                started.set()
-            if response.status_code != 200:
-                response.read()
-                result["body"] = response.json()
-                return
-            payloads = sse_payloads(response)
-        result["payloads"] = payloads
-        result["finish_reason"] = json.loads(payloads[-2])["choices"][0]["finish_reason"]
+        while not until.is_set():
+            result: dict = {}
+            _stream(server, body, result)
+            if result["status"] == 503 and "max_waiting" in result["body"]["error"]["message"]:
+                time.sleep(0.05)
+                continue
+            results.append(result)
 
     thread = threading.Thread(target=run)
     thread.start()
-    return thread, result
+    return thread, results
 
 
 LONG = {"prompt": "Once upon a time", "max_tokens": 120, "ignore_eos": True, "temperature": 0}
@@ -293,13 +392,23 @@ def test_a_client_that_disconnects_is_aborted_and_its_blocks_freed(real_server):
 
 
 def test_a_hot_swap_loses_no_request(real_server, real_model_dir):
-    """Last of the tests on ``real_server``: it leaves the bf16 model in place."""
-    before = [_stream_in_background(real_server, LONG | {"max_tokens": 250}) for _ in range(2)]
+    """Last of the tests on ``real_server``: it leaves the bf16 model in place. The new model is
+    compiled before it takes requests, which takes longer than any one stream on some CPUs and
+    less on others: two clients keep a stream in flight until the swap answers, so that whatever
+    the swap's length, requests are running on the old engine when it drains."""
+    swapped = threading.Event()
+    clients = [_keep_streaming(real_server, LONG | {"max_tokens": 60}, swapped) for _ in range(2)]
     wait_until(lambda: real_server.metric("aie_requests_running") == 2, what="2 requests running")
     swap: dict = {}
     target = {"model_dir": str(real_model_dir), "dtype": "bfloat16", "model_name": "smollm2-bf16"}
-    swapper = threading.Thread(target=lambda: swap.update(response=httpx.post(
-        real_server.url + "/admin/swap", json=target, headers=ADMIN, timeout=300)))
+
+    def swap_and_tell():
+        try:
+            swap["response"] = httpx.post(real_server.url + "/admin/swap", json=target, headers=ADMIN, timeout=300)
+        finally:
+            swapped.set()
+
+    swapper = threading.Thread(target=swap_and_tell)
     swapper.start()
     wait_until(lambda: any(line["message"] == "swapping" for line in real_server.logs()), timeout=30,
                what="the swap under way")
@@ -312,10 +421,12 @@ def test_a_hot_swap_loses_no_request(real_server, real_model_dir):
     assert swap["response"].status_code == 200, swap["response"].text
     report = swap["response"].json()
     assert report["new"] == "smollm2-bf16" and report["aborted"] == 0
-    assert report["drained"] >= 2  # both streams (and any request queued behind them) finished on the old engine
-    for thread, result in before:
+    assert report["step"] == next(line for line in real_server.logs() if line["message"] == "ready")["step"]
+    assert report["drained"] >= 1  # the streams in flight at the switch finished on the old engine
+    for thread, results in clients:
         thread.join(120)
-        assert result["status"] == 200 and result["finish_reason"] == "length"
+        assert results and all(r["status"] == 200 and r["payloads"][-1] == "[DONE]" and r["finish_reason"] == "length"
+                               for r in results)
     assert all(r.status_code in (200, 503) for r in during) and any(r.status_code == 200 for r in during)
     refused = [r for r in during if r.status_code == 503]
     assert all("max_waiting" in r.json()["error"]["message"] for r in refused)  # the queue, never the swap

@@ -12,7 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-from aie_lessons.engine.compiled_runner import BATCH_BUCKETS, compiled_engine, compiled_step_refusal
+from aie_lessons.engine.compiled_runner import (BATCH_BUCKETS, CompiledPagedRunner, compiled_engine,
+                                                compiled_step_refusal)
 from aie_lessons.engine.engine import Engine
 from aie_lessons.engine.paged_engine import paged_engine
 from aie_lessons.engine.scheduler import SchedulerConfig
@@ -57,13 +58,21 @@ class EngineConfig:
         return SchedulerConfig(self.max_seqs, self.token_budget, self.aging_rate)
 
 
+class StepUnavailable(ValueError):
+    """``step="compiled"`` asked for where the compiled step cannot run: the message says why and
+    what to do. Its own class, so that a caller can tell it from a bad setting or a bad checkpoint."""
+
+
 def compiled_step_unavailable(model: LlamaModel) -> str | None:
     """Why the compiled step cannot run ``model`` here, with the fix, or None: the model's reasons
-    (``compiled_step_refusal``), then the machine's — a compiler for the model's device."""
-    refusal = compiled_step_refusal(model)
-    if refusal:
-        return refusal
-    device = model.embed_tokens.weight.device.type
+    (``compiled_step_refusal``), then the machine's."""
+    return compiled_step_refusal(model) or no_compiler_for(model.embed_tokens.weight.device)
+
+
+def no_compiler_for(device: torch.device | str) -> str | None:
+    """Why nothing here can compile the step for ``device``, with the fix, or None: a CPU needs a
+    C++ compiler, a CUDA GPU needs Triton. A command line asks this before it loads a model."""
+    device = torch.device(device).type
     if device == "cpu":
         from aie_lessons.infra.compile_cache import cpp_compiler
 
@@ -80,11 +89,13 @@ def compiled_step_unavailable(model: LlamaModel) -> str | None:
 def choose_step(model: LlamaModel, step: str) -> tuple[str, str | None]:
     """The step an engine for ``model`` runs, "eager" or "compiled", and why "auto" chose eager
     (None otherwise). "compiled" where it cannot run is refused, with the reason."""
+    if step not in STEPS:
+        raise ValueError(f"step={step!r} is not one of {', '.join(map(repr, STEPS))}")
     if step == "eager":
         return "eager", None
     why = compiled_step_unavailable(model)
     if why and step == "compiled":
-        raise ValueError(f"the compiled step cannot run here: {why}, or take step='eager'")
+        raise StepUnavailable(f"the compiled step cannot run here: {why}, or take step='eager'")
     return ("eager", why) if why else ("compiled", None)
 
 
@@ -93,12 +104,15 @@ def build_engine(model: LlamaModel, tokenizer: Tokenizer, config: EngineConfig =
                  on_note: Callable[[str], None] | None = None) -> Engine:
     """The engine ``config`` describes, over a paged cache: stage 07's ``paged_engine`` or this
     stage's ``compiled_engine``. When "auto" falls back to eager, ``on_note`` hears why (default:
-    a warning). The compiled step compiles each bucket on first use: ``engine.runner.warm_up()``
-    does it ahead."""
+    a warning). The compiled step compiles each bucket on first use: ``compile_ahead`` does it
+    before any request waits for it."""
     step, why = choose_step(model, config.step)
     if why:
         note = f"the eager step runs, because {why}"
-        warnings.warn(note) if on_note is None else on_note(note)
+        if on_note is None:
+            warnings.warn(note, stacklevel=2)
+        else:
+            on_note(note)
     settings = dict(max_seqs=config.max_seqs, token_budget=config.token_budget, kv_bytes=config.kv_bytes,
                     block_size=config.block_size, prefix_caching=config.prefix_caching,
                     aging_rate=config.aging_rate, kv_dtype=config.kv_dtype, clock=clock,
@@ -106,3 +120,21 @@ def build_engine(model: LlamaModel, tokenizer: Tokenizer, config: EngineConfig =
     if step == "compiled":
         return compiled_engine(model, tokenizer, buckets=config.buckets, **settings)
     return paged_engine(model, tokenizer, **settings)
+
+
+def step_of(engine: Engine) -> str:
+    """The step ``engine`` runs, "compiled" or "eager" ("auto" has been decided by now)."""
+    return "compiled" if isinstance(engine.runner, CompiledPagedRunner) else "eager"
+
+
+def compile_ahead(engine: Engine, on_start: Callable[[tuple[int, ...]], None] | None = None) -> float | None:
+    """Compile a compiled engine's step for every bucket now (or load it from inductor's cache),
+    so that no request waits for the compiler; ``on_start`` hears the buckets first, since this
+    takes seconds to minutes. The seconds it took, or None for an eager engine (nothing to do)."""
+    if step_of(engine) != "compiled":
+        return None
+    if on_start is not None:
+        on_start(engine.runner.buckets)
+    start = time.perf_counter()
+    engine.runner.warm_up()
+    return time.perf_counter() - start

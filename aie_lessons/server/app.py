@@ -21,13 +21,14 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict
 
+from aie_lessons.engine.engine_config import StepUnavailable
 from aie_lessons.generate import PromptError
 from aie_lessons.sampling import SamplingParamsError
 
 from typing import TYPE_CHECKING
 
 from aie_lessons.server.async_engine import EngineFailed, Overloaded, log
-from aie_lessons.server.lifecycle import EngineSlot, LoadedModel, load_model, warm_up
+from aie_lessons.server.lifecycle import EngineSlot, LoadedModel, load_model, off_the_loop, warm_up
 from aie_lessons.server.metrics import ServerMetrics
 from aie_lessons.server.protocol import APIError, ChatFormat, ChatRequest, CompletionFormat, CompletionRequest, SamplingFields
 from aie_lessons.server.sse import sse_stream
@@ -209,7 +210,7 @@ def create_app(state: ServerState) -> FastAPI:
 
     async def start() -> None:
         try:
-            loaded = await asyncio.to_thread(load_model, state.config, state.metrics)
+            loaded = await off_the_loop(load_model, state.config, state.metrics)
             loaded.engine.start()
             state.slot = EngineSlot(loaded)
             if state.config.warm_up:
@@ -322,8 +323,12 @@ def create_app(state: ServerState) -> FastAPI:
         log.info("swapping", extra={"fields": {"model_dir": body.model_dir, "dtype": body.dtype}})
         try:
             try:
-                new = await asyncio.to_thread(load_model, state.config, state.metrics, body.model_dir, body.dtype,
-                                              body.model_name)
+                new = await off_the_loop(load_model, state.config, state.metrics, body.model_dir, body.dtype,
+                                         body.model_name)
+            except StepUnavailable as exc:  # the checkpoint is fine; the configured step cannot run it
+                raise APIError(400, f"cannot swap to {body.model_dir!r} with the server's step {state.config.step!r}: "
+                                    f"{exc} (step: in the server's config). The current model keeps serving",
+                               param="model_dir")
             except Exception as exc:  # a missing folder, a broken checkpoint: the old model keeps serving
                 raise APIError(400, f"cannot load {body.model_dir!r}: {type(exc).__name__}: {exc}. The current "
                                     "model keeps serving. Fix: the folder of a checkpoint (aie fetch-model writes "
@@ -333,9 +338,9 @@ def create_app(state: ServerState) -> FastAPI:
             report = await slot.swap(new, state.config.warm_up)
         finally:
             slot.swapping = False
-        log.info("swapped", extra={"fields": {"old": report.old, "new": report.new,
+        log.info("swapped", extra={"fields": {"old": report.old, "new": report.new, "step": new.step,
                                               "drained": report.drained.in_flight}})
-        return {"old": report.old, "new": report.new, "drained": report.drained.in_flight,
+        return {"old": report.old, "new": report.new, "step": new.step, "drained": report.drained.in_flight,
                 "aborted": report.drained.aborted, "seconds": round(report.drained.seconds, 3)}
 
     app.add_middleware(RequestGuard, state=state)

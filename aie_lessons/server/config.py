@@ -39,7 +39,7 @@ class ServeConfig:
     drain_timeout_s: float = 20.0
     api_key: str | None = None  # if set, /v1/* needs "Authorization: Bearer <api_key>"
     admin_key: str | None = None  # /admin/* needs it; without one the admin API is off
-    warm_up: bool = True  # one short request through the engine before /health says ok
+    warm_up: bool = True  # compile every bucket of a compiled step, then one short request, before /health says ok
 
     def __post_init__(self) -> None:
         checks = {

@@ -5,16 +5,18 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import math
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import torch
 
-from aie_lessons.engine.compiled_runner import CompiledPagedRunner
-from aie_lessons.engine.engine_config import EngineConfig, build_engine
+from aie_lessons.engine.engine_config import EngineConfig, build_engine, compile_ahead, step_of
 from aie_lessons.infra.paths import default_model_dir
 from aie_lessons.model import LlamaModel
 from aie_lessons.sampling import SamplingParams
@@ -70,8 +72,8 @@ class LoadedModel:
 
 def load_model(config: ServeConfig, metrics: ServerMetrics, model_dir: str | Path | None = None,
                dtype: str | None = None, name: str | None = None) -> LoadedModel:
-    """Read a checkpoint and build its engine (stage 09's ``build_engine``) — slow: call it on a
-    worker thread. A compiled step is compiled for every bucket here, unless ``config.warm_up``
+    """Read a checkpoint and build its engine (stage 09's ``build_engine``) — slow: call it with
+    ``off_the_loop``. A compiled step is compiled for every bucket here, unless ``config.warm_up``
     is off, so that no request waits for it. The engine thread is not started yet."""
     folder = Path(model_dir or config.model_dir or default_model_dir())
     tokenizer = Tokenizer.from_pretrained(folder)
@@ -82,14 +84,45 @@ def load_model(config: ServeConfig, metrics: ServerMetrics, model_dir: str | Pat
     engine_config = EngineConfig(max_seqs=config.max_seqs, token_budget=config.token_budget, kv_bytes=kv_bytes,
                                  step=config.step, stats_capacity=16)
     engine = build_engine(model, tokenizer, engine_config, on_note=log.warning)
-    step = "compiled" if isinstance(engine.runner, CompiledPagedRunner) else "eager"
-    if step == "compiled" and config.warm_up:
-        start = time.monotonic()
-        log.info("compiling the engine's step", extra={"fields": {"buckets": list(engine.runner.buckets)}})
-        engine.runner.warm_up()
-        log.info("compiled", extra={"fields": {"seconds": round(time.monotonic() - start, 1)}})
+    if config.warm_up:
+        seconds = compile_ahead(engine, lambda buckets: log.info("compiling the engine's step",
+                                                                 extra={"fields": {"buckets": list(buckets)}}))
+        if seconds is not None:
+            log.info("compiled", extra={"fields": {"seconds": round(seconds, 1)}})
     label = name or (config.model_name if model_dir is None else None) or folder.name
-    return LoadedModel(AsyncEngine(engine, config.max_waiting, metrics, label), tokenizer, label, folder, step)
+    return LoadedModel(AsyncEngine(engine, config.max_waiting, metrics, label), tokenizer, label, folder,
+                       step_of(engine))
+
+
+T = TypeVar("T")
+
+
+OFF_THE_LOOP = "aie-off-the-loop"  # the name of off_the_loop's threads
+
+
+async def off_the_loop(function: Callable[..., T], *args) -> T:
+    """``function(*args)`` on a thread of its own, awaited: for loading a model, which takes
+    seconds to minutes (compiling, the first time) and cannot be interrupted. Not on
+    ``asyncio.to_thread``'s workers: a process waits for those before it exits, so a Ctrl-C
+    during a compile would wait for the compiler. This thread is a daemon that a stopping
+    server leaves behind (``work_left_behind``); asyncio drops a result that comes too late."""
+    done: concurrent.futures.Future[T] = concurrent.futures.Future()
+
+    def run() -> None:
+        if not done.set_running_or_notify_cancel():
+            return
+        try:
+            done.set_result(function(*args))
+        except BaseException as exc:  # handed to the awaiting task, which raises it
+            done.set_exception(exc)
+
+    threading.Thread(target=run, name=f"{OFF_THE_LOOP}: {getattr(function, '__name__', 'work')}", daemon=True).start()
+    return await asyncio.wrap_future(done)
+
+
+def work_left_behind() -> list[str]:
+    """What ``off_the_loop`` threads are still running, by function name."""
+    return [t.name.split(": ", 1)[1] for t in threading.enumerate() if t.name.startswith(OFF_THE_LOOP + ": ")]
 
 
 async def warm_up(engine: AsyncEngine) -> None:

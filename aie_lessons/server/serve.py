@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import sys
 
 import uvicorn
@@ -13,6 +14,7 @@ from typing import TYPE_CHECKING
 
 from aie_lessons.server.app import ServerState, create_app, json_logging
 from aie_lessons.server.async_engine import log
+from aie_lessons.server.lifecycle import work_left_behind
 
 if TYPE_CHECKING:
     from aie_lessons.server.config import ServeConfig
@@ -67,4 +69,12 @@ def serve(config: ServeConfig) -> int:
                                            access_log=False, timeout_graceful_shutdown=5), state)
     state.on_failure = lambda: setattr(server, "should_exit", True)  # a model that cannot load: exit, status 1
     server.run()
-    return 0 if state.status != "failed" else 1
+    status = 0 if state.status != "failed" else 1
+    left = work_left_behind()
+    if left:
+        # A model still loading (compiling) on a thread nothing can stop: the interpreter's own
+        # shutdown would abort under it (C++ threads still running), so leave without it.
+        log.info("exiting before the load ended", extra={"fields": {"unfinished": left}})
+        sys.stderr.flush()
+        os._exit(status)
+    return status
