@@ -256,7 +256,7 @@ def _run_engine(args: argparse.Namespace, model: LlamaModel, tokenizer: Tokenize
     import time
 
     from aie_lessons.engine.engine import Engine
-    from aie_lessons.engine.engine_config import EngineConfig, build_engine, compile_ahead, step_of
+    from aie_lessons.engine.engine_config import EngineConfig, build_engine, compile_buckets, step_of
     from aie_lessons.engine.paged_cache import slot_pool_bytes
     from aie_lessons.engine.request import RequestStatus
     from aie_lessons.generate import PromptError
@@ -280,7 +280,7 @@ def _run_engine(args: argparse.Namespace, model: LlamaModel, tokenizer: Tokenize
         # --step compiled where it cannot run was refused before the model loaded (_loop)
         engine = build_engine(model, tokenizer, config,
                               on_note=lambda note: print(f"aie generate: note: {note}", file=sys.stderr))
-        seconds = compile_ahead(engine, lambda buckets: print(
+        seconds = compile_buckets(engine, lambda buckets: print(
             f"aie generate: compiling the engine's step for batches of {buckets} (inductor's cache keeps it for "
             "later runs) ...", end="", file=sys.stderr, flush=True))
         if seconds is not None:
@@ -443,6 +443,12 @@ def _serve(args: argparse.Namespace) -> int:
         host=args.host, port=args.port, model_dir=args.model, dtype=args.dtype, max_seqs=args.max_seqs,
         max_waiting=args.max_waiting, kv_memory_mb=args.kv_memory_mb, drain_timeout_s=args.drain_timeout,
         step=args.step)
+    if config.step == "compiled":  # refused now, not after the model has loaded
+        from aie_lessons.engine.engine_config import no_compiler_for
+
+        why = no_compiler_for("cpu")  # the server runs the model on the CPU
+        if why:
+            raise UsageError(f"step compiled: {why}, or --step eager")
     return serve(config)
 
 
@@ -656,6 +662,7 @@ COURSE_ERRORS = (
     ("aie_lessons.course.progress", "ProgressError"),
     ("aie_lessons.course.source", "SourceError"),
     ("aie_lessons.config", "ConfigError"),
+    ("aie_lessons.engine.engine_config", "StepUnavailable"),
     ("aie_lessons.generate", "PromptError"),
     ("aie_lessons.infra.model_files", "ModelFilesError"),
     ("aie_lessons.kv_cache", "CacheFullError"),

@@ -37,7 +37,7 @@ from aie_lessons.infra.compile_cache import use_compile_cache  # noqa: E402
 use_compile_cache()  # what torch.compile builds goes to data/cache/inductor, a folder per ATEN_CPU_CAPABILITY
 import psutil  # noqa: E402
 
-from aie_lessons.engine.engine_config import STEPS, EngineConfig, build_engine, compile_ahead  # noqa: E402
+from aie_lessons.engine.engine_config import STEPS, EngineConfig, build_engine, compile_buckets  # noqa: E402
 from aie_lessons.engine.workload import mixed_workload, run_workload  # noqa: E402
 from aie_lessons.infra.paths import default_model_dir  # noqa: E402
 from aie_lessons.model import LlamaModel  # noqa: E402
@@ -99,7 +99,7 @@ def main() -> int:
         print(f"\nSaturated server vs the offline engine, {args.requests} requests at once, {args.rounds} rounds:")
         model, tokenizer = LlamaModel.from_pretrained(model_dir), Tokenizer.from_pretrained(model_dir)
         engine = build_engine(model, tokenizer, EngineConfig(max_seqs=args.max_seqs, step=args.step))
-        compile_ahead(engine)  # before it is timed, as the server compiles before it says ready
+        compile_buckets(engine)  # before it is timed, as the server compiles before it says ready
         served, offline = [], []
         for round_ in range(args.rounds):
             # a new workload each round: the server's prefix cache keeps the last one's prompts

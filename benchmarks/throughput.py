@@ -59,7 +59,7 @@ from tqdm import tqdm  # noqa: E402
 
 from aie_lessons.cached_generate import generate_cached  # noqa: E402
 from aie_lessons.engine.engine import Engine, StepStats  # noqa: E402
-from aie_lessons.engine.engine_config import (EngineConfig, build_engine, compile_ahead,  # noqa: E402
+from aie_lessons.engine.engine_config import (EngineConfig, build_engine, compile_buckets,  # noqa: E402
                                               compiled_step_unavailable)
 from aie_lessons.engine.paged_cache import slot_pool_bytes  # noqa: E402
 from aie_lessons.engine.workload import RunSummary, mixed_workload, percentile, run_workload  # noqa: E402
@@ -129,7 +129,7 @@ def run_engine(model: LlamaModel, tokenizer: Tokenizer, workload: Workload, slot
         config = EngineConfig(max_seqs=max(slots, min(PAGED_MAX_SEQS, 4 * slots)), token_budget=TOKEN_BUDGET,
                               kv_bytes=kv_bytes, block_size=BLOCK_SIZE, prefix_caching=prefix_caching, step=step)
         engine = build_engine(model, tokenizer, config)
-        compile_ahead(engine)
+        compile_buckets(engine)
     with with_progress(engine, len(workload), desc):
         summary = run_workload(engine, workload)
     requests = list(engine.requests.values())  # in the order added: the workload's

@@ -2188,7 +2188,7 @@ print("compiled bf16 agrees with eager bf16 on at least 90% of the steps' next t
 # The compiled step needs fp32 or bf16 weights with fp32 activations (not stage 08's quantized
 # layers) and a compiler for the device: a C++ compiler for a CPU, Triton for a GPU. Compiling
 # costs time once (each bucket, or loading inductor's cache of it), so `aie serve`, which runs
-# for hours, takes `"auto"` and compiles every bucket (`compile_ahead`) before it says it is
+# for hours, takes `"auto"` and compiles every bucket (`compile_buckets`) before it says it is
 # ready (the compiled step also keeps a second, packed copy of the weights: as many bytes again
 # as the model's), while
 # `aie generate`, a few prompts and done, runs eager unless `--step` says otherwise.
@@ -2277,7 +2277,7 @@ def no_compiler_for(device: torch.device | str) -> str | None:
         if importlib.util.find_spec("triton") is None:
             return "compiling for a GPU needs Triton, which is not installed. Fix: pip install triton"
     else:
-        return f"the compiled step is built for CPUs and CUDA GPUs, not {device}. Fix: load the model on one"
+        return f"the compiled step is built for CPUs and CUDA GPUs, not {device}. Fix: run it on the CPU or a CUDA GPU"
     return None
 
 
@@ -2299,7 +2299,7 @@ def build_engine(model: LlamaModel, tokenizer: Tokenizer, config: EngineConfig =
                  on_note: Callable[[str], None] | None = None) -> Engine:
     """The engine ``config`` describes, over a paged cache: stage 07's ``paged_engine`` or this
     stage's ``compiled_engine``. When "auto" falls back to eager, ``on_note`` hears why (default:
-    a warning). The compiled step compiles each bucket on first use: ``compile_ahead`` does it
+    a warning). The compiled step compiles each bucket on first use: ``compile_buckets`` does it
     before any request waits for it."""
     step, why = choose_step(model, config.step)
     if why:
@@ -2322,7 +2322,7 @@ def step_of(engine: Engine) -> str:
     return "compiled" if isinstance(engine.runner, CompiledPagedRunner) else "eager"
 
 
-def compile_ahead(engine: Engine, on_start: Callable[[tuple[int, ...]], None] | None = None) -> float | None:
+def compile_buckets(engine: Engine, on_start: Callable[[tuple[int, ...]], None] | None = None) -> float | None:
     """Compile a compiled engine's step for every bucket now (or load it from inductor's cache),
     so that no request waits for the compiler; ``on_start`` hears the buckets first, since this
     takes seconds to minutes. The seconds it took, or None for an eager engine (nothing to do)."""
@@ -2342,7 +2342,7 @@ def compile_ahead(engine: Engine, on_start: Callable[[tuple[int, ...]], None] | 
 
 # %%
 # NBVAL_IGNORE_OUTPUT
-from aie_lessons.engine.engine_config import EngineConfig, build_engine, choose_step, compile_ahead, step_of
+from aie_lessons.engine.engine_config import EngineConfig, build_engine, choose_step, compile_buckets, step_of
 
 bf16_activations = LlamaModel.from_pretrained(MODEL_DIR, dtype=torch.bfloat16, activations=torch.bfloat16)
 for name, candidate in (("fp32 weights", model), ("bf16 weights", bf16_model), ("bf16 activations", bf16_activations)):
@@ -2352,7 +2352,7 @@ del bf16_activations
 
 small = EngineConfig(max_seqs=4, buckets=(1, 4), kv_bytes=64 * 2**20)
 configured = build_engine(model, tokenizer, small)
-seconds = compile_ahead(configured)
+seconds = compile_buckets(configured)
 print(f"build_engine, max_seqs={small.max_seqs}, step={small.step!r}: the {step_of(configured)} step, "
       f"{type(configured.runner).__name__}" + ("" if seconds is None else
       f", buckets {configured.runner.buckets} compiled in {seconds:.0f} s"))

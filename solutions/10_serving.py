@@ -1140,17 +1140,18 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import math
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol, TypeVar
+from typing import ParamSpec, Protocol, TypeVar
 
 import torch
 
-from aie_lessons.engine.engine_config import EngineConfig, build_engine, compile_ahead, step_of
+from aie_lessons.engine.engine_config import EngineConfig, build_engine, compile_buckets, step_of
 from aie_lessons.infra.paths import default_model_dir
 from aie_lessons.model import LlamaModel
 from aie_lessons.sampling import SamplingParams
@@ -1229,22 +1230,33 @@ def load_model(config: ServeConfig, metrics: ServerMetrics, model_dir: str | Pat
                                  step=config.step, stats_capacity=16)
     engine = build_engine(model, tokenizer, engine_config, on_note=log.warning)
     if config.warm_up:
-        seconds = compile_ahead(engine, lambda buckets: log.info("compiling the engine's step",
-                                                                 extra={"fields": {"buckets": list(buckets)}}))
-        if seconds is not None:
-            log.info("compiled", extra={"fields": {"seconds": round(seconds, 1)}})
+        try:
+            seconds = compile_buckets(engine, lambda buckets: log.info("compiling the engine's step",
+                                                                     extra={"fields": {"buckets": list(buckets)}}))
+        except Exception as exc:
+            # A compiler that exists but cannot build (missing headers, a broken toolchain) is
+            # found only by compiling: "auto" promised eager then, "compiled" asked for this one.
+            if config.step != "auto":
+                raise
+            log.warning("the eager step runs, because the compiled step failed to compile",
+                        extra={"fields": {"error": f"{type(exc).__name__}: {str(exc)[:1000]}"}})
+            engine = build_engine(model, tokenizer, dataclasses.replace(engine_config, step="eager"))
+        else:
+            if seconds is not None:
+                log.info("compiled", extra={"fields": {"seconds": round(seconds, 1)}})
     label = name or (config.model_name if model_dir is None else None) or folder.name
     return LoadedModel(AsyncEngine(engine, config.max_waiting, metrics, label), tokenizer, label, folder,
                        step_of(engine))
 
 
+P = ParamSpec("P")
 T = TypeVar("T")
 
 
 OFF_THE_LOOP = "aie-off-the-loop"  # the name of off_the_loop's threads
 
 
-async def off_the_loop(function: Callable[..., T], *args) -> T:
+async def off_the_loop(function: Callable[P, T], *args: P.args) -> T:
     """``function(*args)`` on a thread of its own, awaited: for loading a model, which takes
     seconds to minutes (compiling, the first time) and cannot be interrupted. Not on
     ``asyncio.to_thread``'s workers: a process waits for those before it exits, so a Ctrl-C
@@ -1353,7 +1365,6 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict
 
-from aie_lessons.engine.engine_config import StepUnavailable
 from aie_lessons.generate import PromptError
 from aie_lessons.sampling import SamplingParamsError
 
@@ -1645,15 +1656,12 @@ def create_app(state: ServerState) -> FastAPI:
             try:
                 new = await off_the_loop(load_model, state.config, state.metrics, body.model_dir, body.dtype,
                                          body.model_name)
-            except StepUnavailable as exc:  # the checkpoint is fine; the configured step cannot run it
-                raise APIError(400, f"cannot swap to {body.model_dir!r} with the server's step {state.config.step!r}: "
-                                    f"{exc} (step: in the server's config). The current model keeps serving",
-                               param="model_dir")
             except Exception as exc:  # a missing folder, a broken checkpoint: the old model keeps serving
                 raise APIError(400, f"cannot load {body.model_dir!r}: {type(exc).__name__}: {exc}. The current "
                                     "model keeps serving. Fix: the folder of a checkpoint (aie fetch-model writes "
                                     "one)", param="model_dir")
             if state.status != "ready":  # a SIGTERM arrived during the load
+                await asyncio.to_thread(new.engine.stop)  # never started: this forgets its metrics
                 raise APIError(503, "the server is shutting down; the swap was cancelled", type="server_unavailable")
             report = await slot.swap(new, state.config.warm_up)
         finally:
@@ -1729,21 +1737,29 @@ class DrainingServer(uvicorn.Server):
 
 
 def serve(config: ServeConfig) -> int:
-    """Run the server until it is stopped; 0 after a graceful stop."""
+    """Run the server until it is stopped; 0 after a graceful stop, 1 when the model failed to
+    load. Stopped while a model still loads, it ends the process itself (``os._exit``), so
+    nothing after it runs: no ``finally`` of the caller's, no ``atexit`` handler."""
     json_logging()
     state = ServerState(config)
     server = DrainingServer(uvicorn.Config(create_app(state), host=config.host, port=config.port, log_config=None,
                                            access_log=False, timeout_graceful_shutdown=5), state)
     state.on_failure = lambda: setattr(server, "should_exit", True)  # a model that cannot load: exit, status 1
-    server.run()
-    status = 0 if state.status != "failed" else 1
-    left = work_left_behind()
-    if left:
-        # A model still loading (compiling) on a thread nothing can stop: the interpreter's own
-        # shutdown would abort under it (C++ threads still running), so leave without it.
-        log.info("exiting before the load ended", extra={"fields": {"unfinished": left}})
-        sys.stderr.flush()
-        os._exit(status)
+    status = 1
+    try:
+        server.run()
+        status = 0 if state.status != "failed" else 1
+    except SystemExit as exc:  # uvicorn's own exit, e.g. 3 for a port already in use
+        status = exc.code if isinstance(exc.code, int) else 1
+        raise
+    finally:
+        left = work_left_behind()
+        if left:
+            # A model still loading (compiling) on a thread nothing can stop: the interpreter's
+            # own shutdown would abort under it (C++ threads still running), so leave without it.
+            log.info("exiting before the load ended", extra={"fields": {"unfinished": left, "status": status}})
+            sys.stderr.flush()
+            os._exit(status)
     return status
 
 

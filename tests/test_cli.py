@@ -377,6 +377,7 @@ def test_serve_keeps_compiled_code_in_the_courses_cache(tiny_dir, tmp_path, monk
     import aie_lessons.server.serve as serve_module
 
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")  # aie serve sets it: undone after the test
     monkeypatch.setattr(cache, "INDUCTOR_CACHE", tmp_path / "inductor")
     seen = {}
 
@@ -388,6 +389,17 @@ def test_serve_keeps_compiled_code_in_the_courses_cache(tiny_dir, tmp_path, monk
     code, _, err = aie(capsys, "serve", "--model", str(tiny_dir), "--step", "eager")
     assert code == 0, err
     assert seen == {"folder": str(cache.cache_folder(tmp_path / "inductor")), "step": "eager"}
+
+
+def test_serve_step_compiled_without_a_compiler_is_refused_before_the_model_loads(monkeypatch, capsys):
+    import aie_lessons.server.serve as serve_module
+    from aie_lessons.infra import compile_cache
+
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")  # aie serve sets it: undone after the test
+    monkeypatch.setattr(compile_cache, "cpp_compiler", lambda: None)
+    monkeypatch.setattr(serve_module, "serve", lambda config: pytest.fail("the server started"))
+    code, out, err = aie(capsys, "serve", "--model", "/nowhere", "--step", "compiled")
+    assert code == 2 and "step compiled: compiling for the CPU needs a C++ compiler" in err and "--step eager" in err
 
 
 def test_engine_flags_outside_the_engine_get_a_note(tiny_dir, capsys):

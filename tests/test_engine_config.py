@@ -12,7 +12,7 @@ import torch
 from aie_lessons.engine import engine_config
 from aie_lessons.engine.compiled_runner import CompiledPagedRunner
 from aie_lessons.engine.engine_config import (STEPS, EngineConfig, StepUnavailable, build_engine, choose_step,
-                                              compile_ahead, step_of)
+                                              compile_buckets, step_of)
 from aie_lessons.engine.paged_engine import paged_engine
 from aie_lessons.engine.scheduler import SchedulerConfig
 from aie_lessons.model import LlamaModel
@@ -79,7 +79,7 @@ def test_auto_compiles_where_it_can(tiny, monkeypatch):
     assert engine.runner.buckets == (1, 2, 4, 6)  # the buckets below max_seqs, and max_seqs itself
 
 
-def test_compile_ahead_compiles_every_bucket_and_says_which_first(tiny):
+def test_compile_buckets_compiles_every_bucket_and_says_which_first(tiny):
     model, tokenizer = tiny
     if choose_step(model, "auto")[0] != "compiled":
         pytest.skip(f"the compiled step cannot run here: {choose_step(model, 'auto')[1]}")
@@ -92,18 +92,18 @@ def test_compile_ahead_compiles_every_bucket_and_says_which_first(tiny):
 
     engine.runner.decode_step = counted
     heard = []
-    seconds = compile_ahead(engine, heard.append)
+    seconds = compile_buckets(engine, heard.append)
     assert heard == [(1, 2)] and compiled == [1, 2] and seconds > 0
     params = SamplingParams(max_new_tokens=5, ignore_eos=True)
     expected = paged_engine(model, tokenizer, max_seqs=2, token_budget=16, kv_bytes=2**20).generate(["a b", "c"], params)
     assert [r.token_ids for r in engine.generate(["a b", "c"], params)] == [r.token_ids for r in expected]
 
 
-def test_compile_ahead_has_nothing_to_do_for_the_eager_step(tiny):
+def test_compile_buckets_has_nothing_to_do_for_the_eager_step(tiny):
     model, tokenizer = tiny
     engine = build_engine(model, tokenizer, EngineConfig(step="eager"))
     heard = []
-    assert compile_ahead(engine, heard.append) is None and heard == [] and step_of(engine) == "eager"
+    assert compile_buckets(engine, heard.append) is None and heard == [] and step_of(engine) == "eager"
 
 
 def test_eager_is_stage_07s_engine_with_the_same_tokens(tiny):

@@ -229,22 +229,47 @@ def test_the_compiled_step_is_compiled_before_the_server_says_ready(tiny_dir, tm
             answer = post(server, "/v1/completions", {"prompt": prompt, "max_tokens": 6, "temperature": 0,
                                                       "ignore_eos": True})
             assert answer.json()["choices"][0]["text"] == expected.text
-    finally:
         assert server.stop() == 0
+    finally:
+        server.kill()
 
 
 def test_without_warm_up_the_server_compiles_on_first_use(tiny_dir, tmp_path, compiles):
+    """warm_up: false starts without compiling (an empty inductor cache: nothing to load either);
+    the first request pays for its bucket, and is answered."""
     config = tmp_path / "serve.yaml"
     config.write_text("warm_up: false\nstep: compiled\nmax_seqs: 2\n")
-    server = ServerProcess(["--model", str(tiny_dir), "--config", str(config)], tmp_path / "server.log", env=KEYS)
+    server = ServerProcess(["--model", str(tiny_dir), "--config", str(config)], tmp_path / "server.log",
+                           env=KEYS | {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "empty-cache")})
     try:
         messages = [line["message"] for line in server.logs()]
         assert "compiling the engine's step" not in messages
         assert next(line for line in server.logs() if line["message"] == "ready")["step"] == "compiled"
+        assert not list((tmp_path / "empty-cache").rglob("*.so")), "compiled before any request"
+        answer = post(server, "/v1/completions", {"prompt": "the cat", "max_tokens": 4, "ignore_eos": True},
+                      timeout=300)
+        assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] == 4
+        assert list((tmp_path / "empty-cache").rglob("*.so")), "the first request's bucket was compiled"
+        assert server.stop() == 0
+    finally:
+        server.kill()
+
+
+def test_auto_runs_eager_when_the_compiler_cannot_build(tiny_dir, tmp_path, compiles):
+    """A compiler that exists but cannot build (here `true`, which writes nothing) is found only
+    by compiling: step auto then serves with the eager step and says why."""
+    server = ServerProcess(["--model", str(tiny_dir), "--max-seqs", "2"], tmp_path / "server.log",
+                           env=KEYS | {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "empty-cache"), "CXX": "true"})
+    try:
+        lines = server.logs()
+        assert next(line for line in lines if line["message"] == "ready")["step"] == "eager"
+        warning = next(line for line in lines if "failed to compile" in line["message"])
+        assert warning["level"] == "warning" and warning["error"]
         answer = post(server, "/v1/completions", {"prompt": "the cat", "max_tokens": 4, "ignore_eos": True})
         assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] == 4
-    finally:
         assert server.stop() == 0
+    finally:
+        server.kill()
 
 
 def test_a_signal_during_the_first_compile_stops_the_server_at_once(tiny_dir, tmp_path, compiles):
@@ -266,6 +291,7 @@ def test_a_signal_during_the_first_compile_stops_the_server_at_once(tiny_dir, tm
         assert time.monotonic() - start < 10, log_file.read_text()
         messages = [json.loads(line)["message"] for line in log_file.read_text().splitlines() if line.startswith("{")]
         assert "compiled" not in messages, "the compile finished first: the test proved nothing"
+        assert "exiting before the load ended" in messages
     finally:
         if process.poll() is None:
             process.kill()
@@ -279,8 +305,9 @@ def test_a_signal_during_the_first_compile_stops_the_server_at_once(tiny_dir, tm
 def real_server(real_model_dir, tmp_path_factory):
     """The course model with the default step: compiled where a C++ compiler exists (stage 09)."""
     folder = tmp_path_factory.mktemp("serve-real")
+    # ready_s: on a slow CPU's first run, compiling the buckets takes minutes
     server = ServerProcess(["--model", str(real_model_dir), "--max-seqs", "2", "--max-waiting", "1"],
-                           folder / "server.log", env=KEYS)
+                           folder / "server.log", env=KEYS, ready_s=600)
     yield server
     server.stop()
 
@@ -335,14 +362,18 @@ def _stream_in_background(server, body: dict, started: threading.Event | None = 
 
 def _keep_streaming(server, body: dict, until: threading.Event) -> tuple[threading.Thread, list[dict]]:
     """A client that always has a stream in flight until ``until`` is set: it starts the next one
-    when the last ends, and tries again after a ``503`` for a full queue (the answer it asks for)."""
+    when the last ends, and tries again after a ``503`` for a full queue (the answer it asks for).
+    A stream that breaks is a result too (``error``), never a silently dead thread."""
     results: list[dict] = []
 
     def run():
         while not until.is_set():
             result: dict = {}
-            _stream(server, body, result)
-            if result["status"] == 503 and "max_waiting" in result["body"]["error"]["message"]:
+            try:
+                _stream(server, body, result)
+            except Exception as exc:  # a cut stream: the failure the caller asserts on
+                result["error"] = repr(exc)
+            if result.get("status") == 503 and "max_waiting" in result["body"]["error"]["message"]:
                 time.sleep(0.05)
                 continue
             results.append(result)
@@ -397,7 +428,15 @@ def test_a_hot_swap_loses_no_request(real_server, real_model_dir):
     less on others: two clients keep a stream in flight until the swap answers, so that whatever
     the swap's length, requests are running on the old engine when it drains."""
     swapped = threading.Event()
-    clients = [_keep_streaming(real_server, LONG | {"max_tokens": 60}, swapped) for _ in range(2)]
+    # two lengths, so that the clients' streams end (and the next ones start) at different steps
+    clients = [_keep_streaming(real_server, LONG | {"max_tokens": n}, swapped) for n in (60, 97)]
+    try:
+        _swap_under_load(real_server, real_model_dir, swapped, clients)
+    finally:
+        swapped.set()  # the clients stop, whatever failed
+
+
+def _swap_under_load(real_server, real_model_dir, swapped: threading.Event, clients) -> None:
     wait_until(lambda: real_server.metric("aie_requests_running") == 2, what="2 requests running")
     swap: dict = {}
     target = {"model_dir": str(real_model_dir), "dtype": "bfloat16", "model_name": "smollm2-bf16"}
@@ -425,8 +464,9 @@ def test_a_hot_swap_loses_no_request(real_server, real_model_dir):
     assert report["drained"] >= 1  # the streams in flight at the switch finished on the old engine
     for thread, results in clients:
         thread.join(120)
-        assert results and all(r["status"] == 200 and r["payloads"][-1] == "[DONE]" and r["finish_reason"] == "length"
-                               for r in results)
+        assert not thread.is_alive() and results
+        assert all(r.get("status") == 200 and r["payloads"][-1] == "[DONE]" and r["finish_reason"] == "length"
+                   for r in results), [r for r in results if r.get("status") != 200 or "error" in r]
     assert all(r.status_code in (200, 503) for r in during) and any(r.status_code == 200 for r in during)
     refused = [r for r in during if r.status_code == 503]
     assert all("max_waiting" in r.json()["error"]["message"] for r in refused)  # the queue, never the swap

@@ -82,7 +82,7 @@ def no_compiler_for(device: torch.device | str) -> str | None:
         if importlib.util.find_spec("triton") is None:
             return "compiling for a GPU needs Triton, which is not installed. Fix: pip install triton"
     else:
-        return f"the compiled step is built for CPUs and CUDA GPUs, not {device}. Fix: load the model on one"
+        return f"the compiled step is built for CPUs and CUDA GPUs, not {device}. Fix: run it on the CPU or a CUDA GPU"
     return None
 
 
@@ -104,7 +104,7 @@ def build_engine(model: LlamaModel, tokenizer: Tokenizer, config: EngineConfig =
                  on_note: Callable[[str], None] | None = None) -> Engine:
     """The engine ``config`` describes, over a paged cache: stage 07's ``paged_engine`` or this
     stage's ``compiled_engine``. When "auto" falls back to eager, ``on_note`` hears why (default:
-    a warning). The compiled step compiles each bucket on first use: ``compile_ahead`` does it
+    a warning). The compiled step compiles each bucket on first use: ``compile_buckets`` does it
     before any request waits for it."""
     step, why = choose_step(model, config.step)
     if why:
@@ -127,7 +127,7 @@ def step_of(engine: Engine) -> str:
     return "compiled" if isinstance(engine.runner, CompiledPagedRunner) else "eager"
 
 
-def compile_ahead(engine: Engine, on_start: Callable[[tuple[int, ...]], None] | None = None) -> float | None:
+def compile_buckets(engine: Engine, on_start: Callable[[tuple[int, ...]], None] | None = None) -> float | None:
     """Compile a compiled engine's step for every bucket now (or load it from inductor's cache),
     so that no request waits for the compiler; ``on_start`` hears the buckets first, since this
     takes seconds to minutes. The seconds it took, or None for an eager engine (nothing to do)."""

@@ -21,7 +21,6 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict
 
-from aie_lessons.engine.engine_config import StepUnavailable
 from aie_lessons.generate import PromptError
 from aie_lessons.sampling import SamplingParamsError
 
@@ -325,15 +324,12 @@ def create_app(state: ServerState) -> FastAPI:
             try:
                 new = await off_the_loop(load_model, state.config, state.metrics, body.model_dir, body.dtype,
                                          body.model_name)
-            except StepUnavailable as exc:  # the checkpoint is fine; the configured step cannot run it
-                raise APIError(400, f"cannot swap to {body.model_dir!r} with the server's step {state.config.step!r}: "
-                                    f"{exc} (step: in the server's config). The current model keeps serving",
-                               param="model_dir")
             except Exception as exc:  # a missing folder, a broken checkpoint: the old model keeps serving
                 raise APIError(400, f"cannot load {body.model_dir!r}: {type(exc).__name__}: {exc}. The current "
                                     "model keeps serving. Fix: the folder of a checkpoint (aie fetch-model writes "
                                     "one)", param="model_dir")
             if state.status != "ready":  # a SIGTERM arrived during the load
+                await asyncio.to_thread(new.engine.stop)  # never started: this forgets its metrics
                 raise APIError(503, "the server is shutting down; the swap was cancelled", type="server_unavailable")
             report = await slot.swap(new, state.config.warm_up)
         finally:

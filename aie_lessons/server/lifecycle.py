@@ -6,17 +6,18 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import math
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol, TypeVar
+from typing import ParamSpec, Protocol, TypeVar
 
 import torch
 
-from aie_lessons.engine.engine_config import EngineConfig, build_engine, compile_ahead, step_of
+from aie_lessons.engine.engine_config import EngineConfig, build_engine, compile_buckets, step_of
 from aie_lessons.infra.paths import default_model_dir
 from aie_lessons.model import LlamaModel
 from aie_lessons.sampling import SamplingParams
@@ -85,22 +86,33 @@ def load_model(config: ServeConfig, metrics: ServerMetrics, model_dir: str | Pat
                                  step=config.step, stats_capacity=16)
     engine = build_engine(model, tokenizer, engine_config, on_note=log.warning)
     if config.warm_up:
-        seconds = compile_ahead(engine, lambda buckets: log.info("compiling the engine's step",
-                                                                 extra={"fields": {"buckets": list(buckets)}}))
-        if seconds is not None:
-            log.info("compiled", extra={"fields": {"seconds": round(seconds, 1)}})
+        try:
+            seconds = compile_buckets(engine, lambda buckets: log.info("compiling the engine's step",
+                                                                     extra={"fields": {"buckets": list(buckets)}}))
+        except Exception as exc:
+            # A compiler that exists but cannot build (missing headers, a broken toolchain) is
+            # found only by compiling: "auto" promised eager then, "compiled" asked for this one.
+            if config.step != "auto":
+                raise
+            log.warning("the eager step runs, because the compiled step failed to compile",
+                        extra={"fields": {"error": f"{type(exc).__name__}: {str(exc)[:1000]}"}})
+            engine = build_engine(model, tokenizer, dataclasses.replace(engine_config, step="eager"))
+        else:
+            if seconds is not None:
+                log.info("compiled", extra={"fields": {"seconds": round(seconds, 1)}})
     label = name or (config.model_name if model_dir is None else None) or folder.name
     return LoadedModel(AsyncEngine(engine, config.max_waiting, metrics, label), tokenizer, label, folder,
                        step_of(engine))
 
 
+P = ParamSpec("P")
 T = TypeVar("T")
 
 
 OFF_THE_LOOP = "aie-off-the-loop"  # the name of off_the_loop's threads
 
 
-async def off_the_loop(function: Callable[..., T], *args) -> T:
+async def off_the_loop(function: Callable[P, T], *args: P.args) -> T:
     """``function(*args)`` on a thread of its own, awaited: for loading a model, which takes
     seconds to minutes (compiling, the first time) and cannot be interrupted. Not on
     ``asyncio.to_thread``'s workers: a process waits for those before it exits, so a Ctrl-C

@@ -62,19 +62,27 @@ class DrainingServer(uvicorn.Server):
 
 
 def serve(config: ServeConfig) -> int:
-    """Run the server until it is stopped; 0 after a graceful stop."""
+    """Run the server until it is stopped; 0 after a graceful stop, 1 when the model failed to
+    load. Stopped while a model still loads, it ends the process itself (``os._exit``), so
+    nothing after it runs: no ``finally`` of the caller's, no ``atexit`` handler."""
     json_logging()
     state = ServerState(config)
     server = DrainingServer(uvicorn.Config(create_app(state), host=config.host, port=config.port, log_config=None,
                                            access_log=False, timeout_graceful_shutdown=5), state)
     state.on_failure = lambda: setattr(server, "should_exit", True)  # a model that cannot load: exit, status 1
-    server.run()
-    status = 0 if state.status != "failed" else 1
-    left = work_left_behind()
-    if left:
-        # A model still loading (compiling) on a thread nothing can stop: the interpreter's own
-        # shutdown would abort under it (C++ threads still running), so leave without it.
-        log.info("exiting before the load ended", extra={"fields": {"unfinished": left}})
-        sys.stderr.flush()
-        os._exit(status)
+    status = 1
+    try:
+        server.run()
+        status = 0 if state.status != "failed" else 1
+    except SystemExit as exc:  # uvicorn's own exit, e.g. 3 for a port already in use
+        status = exc.code if isinstance(exc.code, int) else 1
+        raise
+    finally:
+        left = work_left_behind()
+        if left:
+            # A model still loading (compiling) on a thread nothing can stop: the interpreter's
+            # own shutdown would abort under it (C++ threads still running), so leave without it.
+            log.info("exiting before the load ended", extra={"fields": {"unfinished": left, "status": status}})
+            sys.stderr.flush()
+            os._exit(status)
     return status
