@@ -2125,7 +2125,8 @@ for running in ENGINE_ROWS:
           f"({compiled_rate / eager_rate:.2f}x), {compiled_rate / engine_speed['fp32', running, 'eager']:.2f}x "
           f"the eager fp32 engine, {compiled_rate / engine_speed['fp32', running, 'compiled']:.2f}x the compiled fp32 one")
 
-
+# %%
+# NBVAL_IGNORE_OUTPUT
 def compared_steps(engine, running: int) -> Agreement:
     """``agreement`` of the eager and the compiled logits of every decode step of ``running`` requests."""
     runner, eager, compiled = engine.runner, [], []
