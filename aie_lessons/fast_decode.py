@@ -140,8 +140,9 @@ def decode_groups(model: LlamaModel) -> list[list[torch.Tensor]]:
     return [[layer.weight.detach() for layer in group] for group in decode_modules(model)]
 
 
-def pack_weights(model: LlamaModel) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """Copy every matrix a decode step reads into one block, in reading order.
+def pack_weights(model: LlamaModel, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Copy every matrix a decode step reads into one block, in reading order, in ``dtype``
+    (default: the weights' own; fp32 for bf16 weights makes the products fp32 arithmetic).
 
     Returns the block and one matrix per ``decode_groups`` group, each a view of the block.
     On CPU the block is in huge pages (``huge_page_empty``). The model is left untouched — its
@@ -152,8 +153,9 @@ def pack_weights(model: LlamaModel) -> tuple[torch.Tensor, list[torch.Tensor]]:
     groups = decode_groups(model)
     total = sum(w.numel() for group in groups for w in group)
     first = groups[0][0]
-    block = (huge_page_empty(total, first.dtype) if first.device.type == "cpu"
-             else torch.empty(total, dtype=first.dtype, device=first.device))
+    dtype = dtype or first.dtype
+    block = (huge_page_empty(total, dtype) if first.device.type == "cpu"
+             else torch.empty(total, dtype=dtype, device=first.device))
     matrices, offset = [], 0
     for group in groups:
         rows, cols = sum(w.shape[0] for w in group), group[0].shape[1]

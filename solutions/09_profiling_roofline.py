@@ -982,8 +982,9 @@ def decode_groups(model: LlamaModel) -> list[list[torch.Tensor]]:
     return [[layer.weight.detach() for layer in group] for group in decode_modules(model)]
 
 
-def pack_weights(model: LlamaModel) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """Copy every matrix a decode step reads into one block, in reading order.
+def pack_weights(model: LlamaModel, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Copy every matrix a decode step reads into one block, in reading order, in ``dtype``
+    (default: the weights' own; fp32 for bf16 weights makes the products fp32 arithmetic).
 
     Returns the block and one matrix per ``decode_groups`` group, each a view of the block.
     On CPU the block is in huge pages (``huge_page_empty``). The model is left untouched — its
@@ -994,8 +995,9 @@ def pack_weights(model: LlamaModel) -> tuple[torch.Tensor, list[torch.Tensor]]:
     groups = decode_groups(model)
     total = sum(w.numel() for group in groups for w in group)
     first = groups[0][0]
-    block = (huge_page_empty(total, first.dtype) if first.device.type == "cpu"
-             else torch.empty(total, dtype=first.dtype, device=first.device))
+    dtype = dtype or first.dtype
+    block = (huge_page_empty(total, dtype) if first.device.type == "cpu"
+             else torch.empty(total, dtype=dtype, device=first.device))
     matrices, offset = [], 0
     for group in groups:
         rows, cols = sum(w.shape[0] for w in group), group[0].shape[1]
@@ -1866,14 +1868,17 @@ class CompiledPagedRunner(PagedModelRunner):
     bucket — run the eager model (stage 07's ``run``, reading the cache by gathering, also on a
     GPU). Each bucket compiles on first use, or in ``warm_up``. ``compile=False`` runs the same
     step eagerly (to compare). Weights fp32 or bf16, activations fp32; the weights are copied
-    into one packed block, so the model is not changed. Like ``FastDecoder``, a compiling runner
-    raises dynamo's process-wide ``recompile_limit`` to at least 64.
+    into one packed block, so the model is not changed — in ``arithmetic``, the dtype the
+    products are computed in (default: the weights'; fp32 for bf16 weights on a CPU whose bf16
+    products are slow, at twice the bytes). Like ``FastDecoder``, a compiling runner raises
+    dynamo's process-wide ``recompile_limit`` to at least 64.
     """
 
     def __init__(self, model: LlamaModel, num_blocks: int, block_size: int = 16,
                  attention: AttentionFn = sdpa_attention, kv_dtype: torch.dtype | None = None,
                  prefix_caching: bool = True, compile: bool = True,
-                 layers_per_call: int = 5, buckets: tuple[int, ...] = BATCH_BUCKETS):
+                 layers_per_call: int = 5, buckets: tuple[int, ...] = BATCH_BUCKETS,
+                 arithmetic: torch.dtype | None = None):
         refusal = compiled_step_refusal(model)
         if refusal:
             raise ValueError(refusal)
@@ -1881,13 +1886,16 @@ class CompiledPagedRunner(PagedModelRunner):
             raise ValueError(f"layers_per_call must be at least 1, got {layers_per_call}")
         if not buckets or min(buckets) < 1:
             raise ValueError(f"buckets must be batch sizes of at least 1, got {buckets}")
+        if arithmetic not in (None, torch.float32, torch.bfloat16):
+            raise ValueError(f"arithmetic must be torch.float32 or torch.bfloat16 (or None: the weights'), "
+                             f"got {arithmetic}")
         # The cache gets one block more than the allocator hands out: the scratch block, which
         # padding rows write to. (The parent's allocator, for all the blocks, is replaced.)
         super().__init__(model, num_blocks + 1, block_size, attention, kv_dtype, prefix_caching, decode="gather")
         self.allocator = PagedAllocator(num_blocks, block_size, prefix_caching)
         self.scratch_slot = num_blocks * block_size
         self.buckets = tuple(sorted(set(buckets)))
-        self.block, matrices = pack_weights(model)
+        self.block, matrices = pack_weights(model, arithmetic)
         pools = [(self.cache.keys[i].flatten(0, 1), self.cache.values[i].flatten(0, 1)) for i in range(len(model.layers))]
         for pool in (p for pair in pools for p in pair):
             torch._dynamo.mark_dynamic(pool, 0)  # one compiled version for any KV budget
@@ -1963,7 +1971,8 @@ def compiled_engine(model: LlamaModel, tokenizer: Tokenizer, max_seqs: int = Sch
                     aging_rate: float = 1.0, attention: AttentionFn = sdpa_attention,
                     kv_dtype: torch.dtype | None = None,
                     clock: Callable[[], float] = time.perf_counter, compile: bool = True,
-                    buckets: tuple[int, ...] = BATCH_BUCKETS, stats_capacity: int = 10_000) -> Engine:
+                    buckets: tuple[int, ...] = BATCH_BUCKETS, stats_capacity: int = 10_000,
+                    arithmetic: torch.dtype | None = None) -> Engine:
     """Stage 07's ``paged_engine`` with a ``CompiledPagedRunner``: the same arguments, scheduler,
     sampler and KV budget (the scratch block comes on top of ``kv_bytes``). The step is compiled
     for the ``buckets`` below ``max_seqs`` and for ``max_seqs`` itself, the largest batch it gets."""
@@ -1971,7 +1980,8 @@ def compiled_engine(model: LlamaModel, tokenizer: Tokenizer, max_seqs: int = Sch
     kv_bytes = slot_pool_bytes(model.config, 16, 1024, block_size, dtype) if kv_bytes is None else kv_bytes
     runner = CompiledPagedRunner(model, blocks_for_budget(model.config, kv_bytes, block_size, dtype), block_size,
                                  attention, kv_dtype, prefix_caching, compile,
-                                 buckets=tuple(b for b in buckets if b < max_seqs) + (max_seqs,))
+                                 buckets=tuple(b for b in buckets if b < max_seqs) + (max_seqs,),
+                                 arithmetic=arithmetic)
     config = SchedulerConfig(max_seqs, token_budget, aging_rate)
     return Engine(runner, tokenizer, stop_token_ids(model.config, tokenizer), config, clock, PagedScheduler,
                   stats_capacity)
@@ -2208,6 +2218,7 @@ from dataclasses import dataclass
 
 import torch
 
+from aie_lessons.ceilings import products_seconds
 from aie_lessons.engine.compiled_runner import (BATCH_BUCKETS, CompiledPagedRunner, compiled_engine,
                                                 compiled_step_refusal)
 from aie_lessons.engine.engine import Engine
@@ -2221,6 +2232,7 @@ if TYPE_CHECKING:
     from aie_lessons.tokenizer import Tokenizer
 
 STEPS = ("auto", "eager", "compiled")
+ARITHMETIC = ("auto", "bf16", "float32")
 
 
 @dataclass(frozen=True)
@@ -2237,11 +2249,16 @@ class EngineConfig:
     kv_dtype: torch.dtype | None = None  # None: the weights' dtype
     step: str = "auto"  # "eager", "compiled", or "auto": compiled where it can run
     buckets: tuple[int, ...] = BATCH_BUCKETS  # the compiled step's batch sizes (up to max_seqs)
+    # the compiled step's products with bf16 weights: "bf16", "float32", or "auto": bf16 where a
+    # bf16 product of max_seqs rows is measured no slower than an fp32 one on this machine
+    arithmetic: str = "auto"
     stats_capacity: int = 10_000  # how many of the latest steps' StepStats the engine keeps
 
     def __post_init__(self) -> None:
         if self.step not in STEPS:
             raise ValueError(f"step={self.step!r} is not one of {', '.join(map(repr, STEPS))}")
+        if self.arithmetic not in ARITHMETIC:
+            raise ValueError(f"arithmetic={self.arithmetic!r} is not one of {', '.join(map(repr, ARITHMETIC))}")
         self.scheduler()  # the scheduler's own checks, each with its fix
         if not self.buckets or any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in self.buckets):
             raise ValueError(f"buckets={self.buckets!r} must be batch sizes of at least 1, e.g. (1, 2, 4, 8)")
@@ -2302,20 +2319,54 @@ def build_engine(model: LlamaModel, tokenizer: Tokenizer, config: EngineConfig =
     stage's ``compiled_engine``. When "auto" falls back to eager, ``on_note`` hears why (default:
     a warning). The compiled step compiles each bucket on first use: ``compile_buckets`` does it
     before any request waits for it."""
-    step, why = choose_step(model, config.step)
-    if why:
-        note = f"the eager step runs, because {why}"
+    def tell(note: str) -> None:
         if on_note is None:
-            warnings.warn(note, stacklevel=2)
+            warnings.warn(note, stacklevel=3)
         else:
             on_note(note)
+
+    step, why = choose_step(model, config.step)
+    if why:
+        tell(f"the eager step runs, because {why}")
     settings = dict(max_seqs=config.max_seqs, token_budget=config.token_budget, kv_bytes=config.kv_bytes,
                     block_size=config.block_size, prefix_caching=config.prefix_caching,
                     aging_rate=config.aging_rate, kv_dtype=config.kv_dtype, clock=clock,
                     stats_capacity=config.stats_capacity)
     if step == "compiled":
-        return compiled_engine(model, tokenizer, buckets=config.buckets, **settings)
+        return compiled_engine(model, tokenizer, buckets=config.buckets,
+                               arithmetic=choose_arithmetic(model, config, tell), **settings)
     return paged_engine(model, tokenizer, **settings)
+
+
+BF16_PAYS = 1.0  # a bf16 product at most this many times an fp32 one's time: the step multiplies in bf16
+
+
+def bf16_product_cost(model: LlamaModel, rows: int) -> float:
+    """The time of a bf16 product of ``rows`` rows by a matrix of the model's MLP shape over an
+    fp32 one's, measured here: under 1 on a CPU with bf16 instructions, many times 1 on one
+    without (its bf16 products take a fallback path). Some milliseconds; the global random
+    state is left as it was."""
+    config, device = model.config, model.embed_tokens.weight.device
+    with torch.random.fork_rng(devices=[]):
+        matrix = torch.randn(config.intermediate_size, config.hidden_size, device=device)
+        return products_seconds([matrix.bfloat16()], rows) / products_seconds([matrix], rows)
+
+
+def choose_arithmetic(model: LlamaModel, config: EngineConfig, tell: Callable[[str], None]) -> torch.dtype | None:
+    """The dtype the compiled step multiplies in: None (the weights' own) unless the weights are
+    bf16 and ``config.arithmetic`` is "float32", or "auto" and bf16 products are slow here —
+    then fp32, and ``tell`` hears why (the packed weights take twice the bytes)."""
+    if model.embed_tokens.weight.dtype != torch.bfloat16 or config.arithmetic == "bf16":
+        return None
+    if config.arithmetic == "float32":
+        return torch.float32
+    cost = bf16_product_cost(model, config.max_seqs)
+    if cost <= BF16_PAYS:
+        return None
+    tell(f"the compiled step multiplies the bf16 weights in fp32 (packed in fp32, twice the bytes): a bf16 product "
+         f"of {config.max_seqs} rows took {cost:.1f}x an fp32 one on this CPU, which has no fast bf16 arithmetic "
+         "(arithmetic='bf16' keeps bf16)")
+    return torch.float32
 
 
 def step_of(engine: Engine) -> str:

@@ -43,6 +43,7 @@ def no_compiler(monkeypatch):
     ({"max_seqs": 0}, "max_seqs"),
     ({"max_seqs": 32, "token_budget": 16}, "raise token_budget"),
     ({"aging_rate": -1.0}, "aging_rate"),
+    ({"arithmetic": "fp16"}, "arithmetic='fp16' is not one of 'auto', 'bf16', 'float32'"),
 ])
 def test_a_bad_setting_is_refused_by_name(settings, named):
     with pytest.raises(ValueError, match=named.replace("(", r"\(").replace(")", r"\)")):
@@ -151,8 +152,8 @@ def test_a_model_the_step_cannot_compute_runs_eager(tiny_dir, tiny):
         build_engine(bf16, tokenizer, EngineConfig(step="eager"))
 
 
-def test_a_device_without_a_compiled_step_is_named(monkeypatch, tiny):
-    model, _ = tiny
+def test_a_device_without_a_compiled_step_is_named(monkeypatch, tiny_dir):
+    model = LlamaModel.from_pretrained(tiny_dir)  # its own: the shared one's weight must not be patched
     monkeypatch.setattr(engine_config, "compiled_step_refusal", lambda m: None)
     on_meta = torch.nn.Parameter(model.embed_tokens.weight.to("meta"), requires_grad=False)
     monkeypatch.setattr(model.embed_tokens, "weight", on_meta)  # where the step finds the model's device
@@ -171,3 +172,74 @@ def test_the_servers_step_is_checked_by_name(tmp_path):
     path.write_text("step: 1\n")
     with pytest.raises(ServeConfigError, match="field 'step' must be str"):
         load_config(path, environ={})
+
+
+# --- bf16 weights: the compiled step's arithmetic, decided from a measurement -------------------
+
+
+@pytest.fixture()
+def measured(monkeypatch):
+    """bf16_product_cost replaced by a figure (None: it must not be measured at all)."""
+    calls = []
+
+    def use(cost):
+        def fake(model, rows):
+            calls.append(rows)
+            if cost is None:
+                raise AssertionError("measured, though nothing needed measuring")
+            return cost
+        monkeypatch.setattr(engine_config, "bf16_product_cost", fake)
+        return calls
+    return use
+
+
+@pytest.fixture(scope="module")
+def tiny_bf16(tiny_dir):
+    return LlamaModel.from_pretrained(tiny_dir, dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("cost, arithmetic, packed", [
+    (5.0, "auto", torch.float32),  # a CPU without bf16 instructions: fp32 arithmetic, and a note
+    (0.6, "auto", torch.bfloat16),  # with them: bf16
+    (None, "float32", torch.float32),  # asked for: nothing measured
+    (None, "bf16", torch.bfloat16),
+])
+def test_bf16_weights_multiply_in_the_arithmetic_this_cpu_does_fast(tiny, tiny_bf16, measured, cost, arithmetic,
+                                                                       packed):
+    _, tokenizer = tiny
+    calls, notes = measured(cost), []
+    engine = build_engine(tiny_bf16, tokenizer, EngineConfig(max_seqs=2, token_budget=16, kv_bytes=2**20,
+                                                             step="compiled", arithmetic=arithmetic),
+                          on_note=notes.append)
+    assert engine.runner.block.dtype == packed
+    assert calls == ([2] if cost is not None else [])  # measured at max_seqs rows
+    assert bool(notes) == (arithmetic == "auto" and packed == torch.float32)
+    if notes:
+        assert "multiplies the bf16 weights in fp32" in notes[0] and "5.0x" in notes[0]
+
+
+def test_fp32_arithmetic_on_bf16_weights_keeps_the_eager_engines_tokens(tiny, tiny_bf16, measured):
+    """The eager engine converts bf16 weights to fp32 before each product: fp32 arithmetic on the
+    same values, so the compiled step packed in fp32 gives its greedy tokens."""
+    _, tokenizer = tiny
+    if choose_step(tiny_bf16, "auto")[0] != "compiled":
+        pytest.skip(f"the compiled step cannot run here: {choose_step(tiny_bf16, 'auto')[1]}")
+    measured(5.0)
+    settings = dict(max_seqs=2, token_budget=16, kv_bytes=2**20)
+    params = SamplingParams(max_new_tokens=6, ignore_eos=True)
+    compiled = build_engine(tiny_bf16, tokenizer, EngineConfig(**settings), on_note=lambda note: None)
+    expected = paged_engine(tiny_bf16, tokenizer, **settings).generate(["a b", "c"], params)
+    assert [r.token_ids for r in compiled.generate(["a b", "c"], params)] == [r.token_ids for r in expected]
+
+
+def test_fp32_weights_are_never_measured(tiny, measured):
+    model, tokenizer = tiny
+    measured(None)
+    assert build_engine(model, tokenizer, EngineConfig(max_seqs=2, token_budget=16, kv_bytes=2**20,
+                                                       step="compiled")).runner.block.dtype == torch.float32
+
+
+def test_the_measurement_is_a_ratio_and_leaves_the_random_state(tiny_bf16):
+    state = torch.random.get_rng_state()
+    cost = engine_config.bf16_product_cost(tiny_bf16, 2)
+    assert cost > 0 and torch.equal(torch.random.get_rng_state(), state)

@@ -144,14 +144,17 @@ class CompiledPagedRunner(PagedModelRunner):
     bucket — run the eager model (stage 07's ``run``, reading the cache by gathering, also on a
     GPU). Each bucket compiles on first use, or in ``warm_up``. ``compile=False`` runs the same
     step eagerly (to compare). Weights fp32 or bf16, activations fp32; the weights are copied
-    into one packed block, so the model is not changed. Like ``FastDecoder``, a compiling runner
-    raises dynamo's process-wide ``recompile_limit`` to at least 64.
+    into one packed block, so the model is not changed — in ``arithmetic``, the dtype the
+    products are computed in (default: the weights'; fp32 for bf16 weights on a CPU whose bf16
+    products are slow, at twice the bytes). Like ``FastDecoder``, a compiling runner raises
+    dynamo's process-wide ``recompile_limit`` to at least 64.
     """
 
     def __init__(self, model: LlamaModel, num_blocks: int, block_size: int = 16,
                  attention: AttentionFn = sdpa_attention, kv_dtype: torch.dtype | None = None,
                  prefix_caching: bool = True, compile: bool = True,
-                 layers_per_call: int = 5, buckets: tuple[int, ...] = BATCH_BUCKETS):
+                 layers_per_call: int = 5, buckets: tuple[int, ...] = BATCH_BUCKETS,
+                 arithmetic: torch.dtype | None = None):
         refusal = compiled_step_refusal(model)
         if refusal:
             raise ValueError(refusal)
@@ -159,13 +162,16 @@ class CompiledPagedRunner(PagedModelRunner):
             raise ValueError(f"layers_per_call must be at least 1, got {layers_per_call}")
         if not buckets or min(buckets) < 1:
             raise ValueError(f"buckets must be batch sizes of at least 1, got {buckets}")
+        if arithmetic not in (None, torch.float32, torch.bfloat16):
+            raise ValueError(f"arithmetic must be torch.float32 or torch.bfloat16 (or None: the weights'), "
+                             f"got {arithmetic}")
         # The cache gets one block more than the allocator hands out: the scratch block, which
         # padding rows write to. (The parent's allocator, for all the blocks, is replaced.)
         super().__init__(model, num_blocks + 1, block_size, attention, kv_dtype, prefix_caching, decode="gather")
         self.allocator = PagedAllocator(num_blocks, block_size, prefix_caching)
         self.scratch_slot = num_blocks * block_size
         self.buckets = tuple(sorted(set(buckets)))
-        self.block, matrices = pack_weights(model)
+        self.block, matrices = pack_weights(model, arithmetic)
         pools = [(self.cache.keys[i].flatten(0, 1), self.cache.values[i].flatten(0, 1)) for i in range(len(model.layers))]
         for pool in (p for pair in pools for p in pair):
             torch._dynamo.mark_dynamic(pool, 0)  # one compiled version for any KV budget
@@ -241,7 +247,8 @@ def compiled_engine(model: LlamaModel, tokenizer: Tokenizer, max_seqs: int = Sch
                     aging_rate: float = 1.0, attention: AttentionFn = sdpa_attention,
                     kv_dtype: torch.dtype | None = None,
                     clock: Callable[[], float] = time.perf_counter, compile: bool = True,
-                    buckets: tuple[int, ...] = BATCH_BUCKETS, stats_capacity: int = 10_000) -> Engine:
+                    buckets: tuple[int, ...] = BATCH_BUCKETS, stats_capacity: int = 10_000,
+                    arithmetic: torch.dtype | None = None) -> Engine:
     """Stage 07's ``paged_engine`` with a ``CompiledPagedRunner``: the same arguments, scheduler,
     sampler and KV budget (the scratch block comes on top of ``kv_bytes``). The step is compiled
     for the ``buckets`` below ``max_seqs`` and for ``max_seqs`` itself, the largest batch it gets."""
@@ -249,7 +256,8 @@ def compiled_engine(model: LlamaModel, tokenizer: Tokenizer, max_seqs: int = Sch
     kv_bytes = slot_pool_bytes(model.config, 16, 1024, block_size, dtype) if kv_bytes is None else kv_bytes
     runner = CompiledPagedRunner(model, blocks_for_budget(model.config, kv_bytes, block_size, dtype), block_size,
                                  attention, kv_dtype, prefix_caching, compile,
-                                 buckets=tuple(b for b in buckets if b < max_seqs) + (max_seqs,))
+                                 buckets=tuple(b for b in buckets if b < max_seqs) + (max_seqs,),
+                                 arithmetic=arithmetic)
     config = SchedulerConfig(max_seqs, token_budget, aging_rate)
     return Engine(runner, tokenizer, stop_token_ids(model.config, tokenizer), config, clock, PagedScheduler,
                   stats_capacity)

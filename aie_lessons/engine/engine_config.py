@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from aie_lessons.ceilings import products_seconds
 from aie_lessons.engine.compiled_runner import (BATCH_BUCKETS, CompiledPagedRunner, compiled_engine,
                                                 compiled_step_refusal)
 from aie_lessons.engine.engine import Engine
@@ -25,6 +26,7 @@ if TYPE_CHECKING:
     from aie_lessons.tokenizer import Tokenizer
 
 STEPS = ("auto", "eager", "compiled")
+ARITHMETIC = ("auto", "bf16", "float32")
 
 
 @dataclass(frozen=True)
@@ -41,11 +43,16 @@ class EngineConfig:
     kv_dtype: torch.dtype | None = None  # None: the weights' dtype
     step: str = "auto"  # "eager", "compiled", or "auto": compiled where it can run
     buckets: tuple[int, ...] = BATCH_BUCKETS  # the compiled step's batch sizes (up to max_seqs)
+    # the compiled step's products with bf16 weights: "bf16", "float32", or "auto": bf16 where a
+    # bf16 product of max_seqs rows is measured no slower than an fp32 one on this machine
+    arithmetic: str = "auto"
     stats_capacity: int = 10_000  # how many of the latest steps' StepStats the engine keeps
 
     def __post_init__(self) -> None:
         if self.step not in STEPS:
             raise ValueError(f"step={self.step!r} is not one of {', '.join(map(repr, STEPS))}")
+        if self.arithmetic not in ARITHMETIC:
+            raise ValueError(f"arithmetic={self.arithmetic!r} is not one of {', '.join(map(repr, ARITHMETIC))}")
         self.scheduler()  # the scheduler's own checks, each with its fix
         if not self.buckets or any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in self.buckets):
             raise ValueError(f"buckets={self.buckets!r} must be batch sizes of at least 1, e.g. (1, 2, 4, 8)")
@@ -106,20 +113,54 @@ def build_engine(model: LlamaModel, tokenizer: Tokenizer, config: EngineConfig =
     stage's ``compiled_engine``. When "auto" falls back to eager, ``on_note`` hears why (default:
     a warning). The compiled step compiles each bucket on first use: ``compile_buckets`` does it
     before any request waits for it."""
-    step, why = choose_step(model, config.step)
-    if why:
-        note = f"the eager step runs, because {why}"
+    def tell(note: str) -> None:
         if on_note is None:
-            warnings.warn(note, stacklevel=2)
+            warnings.warn(note, stacklevel=3)
         else:
             on_note(note)
+
+    step, why = choose_step(model, config.step)
+    if why:
+        tell(f"the eager step runs, because {why}")
     settings = dict(max_seqs=config.max_seqs, token_budget=config.token_budget, kv_bytes=config.kv_bytes,
                     block_size=config.block_size, prefix_caching=config.prefix_caching,
                     aging_rate=config.aging_rate, kv_dtype=config.kv_dtype, clock=clock,
                     stats_capacity=config.stats_capacity)
     if step == "compiled":
-        return compiled_engine(model, tokenizer, buckets=config.buckets, **settings)
+        return compiled_engine(model, tokenizer, buckets=config.buckets,
+                               arithmetic=choose_arithmetic(model, config, tell), **settings)
     return paged_engine(model, tokenizer, **settings)
+
+
+BF16_PAYS = 1.0  # a bf16 product at most this many times an fp32 one's time: the step multiplies in bf16
+
+
+def bf16_product_cost(model: LlamaModel, rows: int) -> float:
+    """The time of a bf16 product of ``rows`` rows by a matrix of the model's MLP shape over an
+    fp32 one's, measured here: under 1 on a CPU with bf16 instructions, many times 1 on one
+    without (its bf16 products take a fallback path). Some milliseconds; the global random
+    state is left as it was."""
+    config, device = model.config, model.embed_tokens.weight.device
+    with torch.random.fork_rng(devices=[]):
+        matrix = torch.randn(config.intermediate_size, config.hidden_size, device=device)
+        return products_seconds([matrix.bfloat16()], rows) / products_seconds([matrix], rows)
+
+
+def choose_arithmetic(model: LlamaModel, config: EngineConfig, tell: Callable[[str], None]) -> torch.dtype | None:
+    """The dtype the compiled step multiplies in: None (the weights' own) unless the weights are
+    bf16 and ``config.arithmetic`` is "float32", or "auto" and bf16 products are slow here —
+    then fp32, and ``tell`` hears why (the packed weights take twice the bytes)."""
+    if model.embed_tokens.weight.dtype != torch.bfloat16 or config.arithmetic == "bf16":
+        return None
+    if config.arithmetic == "float32":
+        return torch.float32
+    cost = bf16_product_cost(model, config.max_seqs)
+    if cost <= BF16_PAYS:
+        return None
+    tell(f"the compiled step multiplies the bf16 weights in fp32 (packed in fp32, twice the bytes): a bf16 product "
+         f"of {config.max_seqs} rows took {cost:.1f}x an fp32 one on this CPU, which has no fast bf16 arithmetic "
+         "(arithmetic='bf16' keeps bf16)")
+    return torch.float32
 
 
 def step_of(engine: Engine) -> str:
