@@ -2203,6 +2203,12 @@ print("compiled bf16 agrees with eager bf16 on at least 90% of the steps' next t
 # ready (the compiled step also keeps a second, packed copy of the weights: as many bytes again
 # as the model's), while
 # `aie generate`, a few prompts and done, runs eager unless `--step` says otherwise.
+#
+# With bf16 weights the compiled step multiplies in bf16 — fast with bf16 instructions, a
+# fallback path many times slower than fp32 without them (section 1 measured this CPU's). So
+# `arithmetic="auto"` (the default) times one bf16 and one fp32 product of `max_seqs` rows by a
+# matrix of the model's shape, and where bf16 is the slower, packs the step's weights in fp32
+# (fp32 arithmetic, twice the bytes) and says so; `"bf16"` or `"float32"` decide without it.
 
 # %%
 # export: engine.engine_config
