@@ -2400,13 +2400,17 @@ def compile_buckets(engine: Engine, on_start: Callable[[tuple[int, ...]], None] 
 
 # %%
 # NBVAL_IGNORE_OUTPUT
-from aie_lessons.engine.engine_config import EngineConfig, build_engine, choose_step, compile_buckets, step_of
+from aie_lessons.engine.engine_config import (BF16_PAYS, EngineConfig, bf16_product_cost, build_engine, choose_step,
+                                              compile_buckets, step_of)
 
 bf16_activations = LlamaModel.from_pretrained(MODEL_DIR, dtype=torch.bfloat16, activations=torch.bfloat16)
 for name, candidate in (("fp32 weights", model), ("bf16 weights", bf16_model), ("bf16 activations", bf16_activations)):
     chosen, why = choose_step(candidate, "auto")
     print(f"{name:17}: {chosen}" + (f" ({why})" if why else ""))
 del bf16_activations
+cost = bf16_product_cost(bf16_model, 16)
+print(f"bf16 weights, 16 rows: a bf16 product takes {cost:.2f}x an fp32 one on this CPU, so arithmetic='auto' "
+      f"multiplies them in {'bf16' if cost <= BF16_PAYS else 'fp32'}")
 
 small = EngineConfig(max_seqs=4, buckets=(1, 4), kv_bytes=64 * 2**20)
 configured = build_engine(model, tokenizer, small)
