@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
 if TYPE_CHECKING:  # names for annotations only: see is_course_error for why nothing is imported up front
+    from aie_lessons.engine.engine import Engine
     from aie_lessons.fast_decode import FastDecoder
     from aie_lessons.model import LlamaModel
     from aie_lessons.output import GenerationResult
@@ -144,37 +145,51 @@ def _compiled_step_refusal(args: argparse.Namespace) -> str | None:
     """Why the engine's ``--step compiled`` cannot run this request, with the fix, or None: stage
     09's rules (``compiled_step_refusal``, ``no_compiler_for``), asked before the model loads."""
     from aie_lessons.engine.engine_config import no_compiler_for
+    from aie_lessons.quantize import INT4_KERNEL_GROUP_SIZES, SCHEMES
 
     if args.activations != "float32":
         return "--step compiled computes in float32. Fix: drop --activations bfloat16, or drop --step"
-    if args.quant:
-        return ("--step compiled multiplies float weights, not stage 08's quantized ones. Fix: drop --quant, or "
-                "drop --step")
+    scheme = SCHEMES[args.quant] if args.quant else None
+    if scheme and torch_device_type(args.device) != "cpu":
+        return (f"--step compiled reads --quant {args.quant} through PyTorch's CPU kernels, not on --device "
+                f"{args.device}. Fix: drop --device, or drop --step")
+    if scheme and scheme.bits == 4 and scheme.group_size not in INT4_KERNEL_GROUP_SIZES:
+        return (f"--step compiled reads quantized weights through PyTorch's int4 kernel, which takes no "
+                f"{args.quant}. Fix: --quant int4-g64 or int4-g32, or drop --step")
     why = no_compiler_for(args.device)
     return f"--step compiled: {why}, or drop --step" if why else None
 
 
+def torch_device_type(name: str) -> str:
+    """``cpu`` or ``cuda`` for a --device already checked by ``check_device``."""
+    import torch
+
+    return torch.device(name).type
+
+
+def _engine_step(args: argparse.Namespace, count: int) -> str:
+    """The engine's step: --step if given; else, for one prompt, "auto" — stage 09's compiled
+    step wherever it can run, compiled ahead of time so that, once a machine's first run has
+    built it, it loads in a moment — unless there is no token to decode after the first (the
+    prefill's alone: nothing worth compiling); for several, "eager" (a few prompts would not
+    pay back compiling a step for each batch size)."""
+    if args.step:
+        return args.step
+    return "auto" if count == 1 and args.max_new_tokens >= 2 else "eager"
+
+
 def _loop(args: argparse.Namespace, count: int) -> str:
-    """The generate loop to run: the engine for several prompts; for one, stage 09's compiled
-    decoder wherever it can run (the CPU, float32 activations, a C++ compiler, a kernel for the
-    quantized weights) and there is a token to decode after the first — compiled ahead of
-    time, it starts one to two seconds after the cached loop once a machine's first run has
-    built it — else stage 04's cached loop."""
+    """The generate loop to run: the engine (stages 06-09), whatever the number of prompts;
+    --loop picks a lesson's own loop instead, for one prompt: stage 01's, stage 04's or
+    stage 09's batch-1 decoder — the loops the engine is checked against."""
     if count > 1 and args.loop not in (None, "engine"):
         raise UsageError(f"--loop {args.loop} runs one prompt; {count} prompts run through the engine. Fix: "
                          "drop --loop, or use --loop engine")
-    loop = args.loop or ("engine" if count > 1 else None)
+    loop = args.loop or "engine"
     if loop == "compiled":
         refusal = _compiled_loop_refusal(args)
         if refusal:
             raise UsageError(refusal[1])
-    elif loop is None:
-        refusal = _compiled_loop_refusal(args)
-        if refusal and refusal[0] == "compiler":  # the one fallback a user may not expect: say it
-            print("aie generate: note: no C++ compiler, so the eager cached loop runs (install g++ for "
-                  "the compiled decoder)", file=sys.stderr)
-        # One new token comes from the prefill alone: no step to decode, none worth compiling.
-        loop = "compiled" if not refusal and args.max_new_tokens >= 2 else "cached"
     if args.quant_head and not args.quant:
         raise UsageError("--quant-head quantizes the output head with the scheme of --quant. Fix: add "
                          "--quant SCHEME")
@@ -192,16 +207,18 @@ def _loop(args: argparse.Namespace, count: int) -> str:
         if refusal:
             raise UsageError(refusal)
     elif (args.max_seqs, args.token_budget, args.step) != (DEFAULT_MAX_SEQS, DEFAULT_TOKEN_BUDGET, None):
-        print("aie generate: note: --max-seqs, --token-budget and --step only matter for the engine (--loop "
-              "engine, or several prompts)", file=sys.stderr)
+        print(f"aie generate: note: --max-seqs, --token-budget and --step only matter for the engine, not --loop "
+              f"{loop}", file=sys.stderr)
     return loop
 
 
-def _as_json(result: GenerationResult, seed: int | None, timings: dict[str, float], loop: str) -> str:
-    """One answer as --json prints it; ``loop`` is the loop that ran (after any fallback)."""
+def _as_json(result: GenerationResult, seed: int | None, timings: dict[str, float], loop: str,
+             step: str | None = None) -> str:
+    """One answer as --json prints it; ``loop`` is the loop that ran, and for the engine ``step``
+    the step it ran (after any fallback)."""
     return json.dumps({"prompt_ids": result.prompt_ids, "token_ids": result.token_ids, "text": result.text,
-                       "finish_reason": result.finish_reason, "seed": seed, "loop": loop, "timings": timings},
-                      ensure_ascii=False)
+                       "finish_reason": result.finish_reason, "seed": seed, "loop": loop, "step": step,
+                       "timings": timings}, ensure_ascii=False)
 
 
 def _write(text: str) -> None:
@@ -254,12 +271,14 @@ def _run_engine(args: argparse.Namespace, model: LlamaModel, tokenizer: Tokenize
                 prompt_ids: list[list[int]], params: SamplingParams) -> None:
     """Every prompt through the engine: stage 07's paged KV cache by default, or stage 06's slots."""
     import time
+    from dataclasses import replace
 
     from aie_lessons.engine.engine import Engine
     from aie_lessons.engine.engine_config import EngineConfig, build_engine, compile_buckets, step_of
     from aie_lessons.engine.paged_cache import slot_pool_bytes
     from aie_lessons.engine.request import RequestStatus
-    from aie_lessons.generate import PromptError
+
+    from aie_lessons.infra import ahead_of_time
 
     count = len(prompts)
     context = model.config.max_position_embeddings
@@ -276,24 +295,34 @@ def _run_engine(args: argparse.Namespace, model: LlamaModel, tokenizer: Tokenize
         kv_bytes = slot_pool_bytes(model.config, max_seqs, max_len, EngineConfig.block_size,
                                    model.embed_tokens.weight.dtype)
         config = EngineConfig(max_seqs=max_seqs, token_budget=args.token_budget, kv_bytes=kv_bytes,
-                              step=args.step or "eager")
+                              step=_engine_step(args, count))
         # --step compiled where it cannot run was refused before the model loaded (_loop)
-        engine = build_engine(model, tokenizer, config,
-                              on_note=lambda note: print(f"aie generate: note: {note}", file=sys.stderr))
-        seconds = compile_buckets(engine, lambda buckets: print(
-            f"aie generate: compiling the engine's step for batches of {buckets} (inductor's cache keeps it for "
-            "later runs) ...", end="", file=sys.stderr, flush=True))
-        if seconds is not None:
-            print(f" {seconds:.0f} s", file=sys.stderr)
+        compiler = ahead_of_time.AheadOfTime(on_compile=lambda: print(
+            f"aie generate: compiling the engine's step for batches of {engine.runner.buckets} for this model on this "
+            f"machine (once: about half a minute per batch size), into {ahead_of_time.aot_folder()} ...", end="",
+            file=sys.stderr, flush=True))
+        note = lambda note: print(f"aie generate: note: {note}", file=sys.stderr)  # noqa: E731
+        engine = build_engine(model, tokenizer, config, on_note=note,
+                              compiler=compiler if torch_device_type(args.device) == "cpu" else None)
+        _check_requests(engine, prompts, prompt_ids, params)  # a prompt that does not fit waits for no compiler
+        try:
+            seconds = compile_buckets(engine)
+        except ahead_of_time.CompileFailed as exc:
+            why = str(exc).strip().splitlines()[0]
+            if config.step == "compiled":
+                raise UsageError(f"--step compiled: {why}") from exc
+            note(f"the compiled step cannot be built here, so the eager step runs: {why}")
+            engine = build_engine(model, tokenizer, replace(config, step="eager"))
+            seconds = None
+        if seconds is not None and compiler.compiled:
+            print(f" ready in {seconds:.1f} s", file=sys.stderr, flush=True)
+        elif seconds is not None:
+            print(f"aie generate: loaded the engine's compiled step from {compiler.folder} in {seconds:.1f} s",
+                  file=sys.stderr, flush=True)
         step = step_of(engine)
         allocator = engine.runner.allocator
         memory = f"{allocator.num_blocks} KV blocks of {allocator.block_size} tokens"
-    for i, ids in enumerate(prompt_ids):  # every prompt is checked before any runs
-        try:
-            engine.check_request(ids, params)
-        except PromptError as exc:
-            raise PromptError(f"prompt {i + 1} of {count} ({_preview(prompts[i], 30)!r}): {exc}"
-                              if count > 1 else str(exc)) from exc
+    _check_requests(engine, prompts, prompt_ids, params)
     printer = InOrder(prompts) if count > 1 and not args.json else None
     if args.json:
         on_text = [None] * count
@@ -321,13 +350,25 @@ def _run_engine(args: argparse.Namespace, model: LlamaModel, tokenizer: Tokenize
                 "total_s": request.latency or 0.0,
                 "tokens": len(request.result.token_ids),
                 "decode_tokens_per_s": 1 / tpot if tpot else 0.0,
-            }, "engine"))
+            }, "engine", step))
     elif not printer:
         print()
     tokens = sum(len(r.output_ids) for r in requests)
     print(f"aie generate: {count} request{'s' * (count > 1)}, {tokens} output tokens in {seconds:.2f} s "
           f"= {tokens / seconds:.1f} tok/s (engine: up to {engine.config.max_seqs} at once, "
           f"{engine.config.token_budget} tokens per step, {memory}, {step} step)", file=sys.stderr)
+
+
+def _check_requests(engine: Engine, prompts: list[str], prompt_ids: list[list[int]], params: SamplingParams) -> None:
+    """Every prompt checked against the engine's limits before any runs, each refusal naming its prompt."""
+    from aie_lessons.generate import PromptError
+
+    for i, ids in enumerate(prompt_ids):
+        try:
+            engine.check_request(ids, params)
+        except PromptError as exc:
+            raise PromptError(f"prompt {i + 1} of {len(prompts)} ({_preview(prompts[i], 30)!r}): {exc}"
+                              if len(prompts) > 1 else str(exc)) from exc
 
 
 def _compiled_decoder(args: argparse.Namespace, model: LlamaModel, params: SamplingParams) -> FastDecoder | None:
@@ -344,9 +385,10 @@ def _compiled_decoder(args: argparse.Namespace, model: LlamaModel, params: Sampl
               f"into {ahead_of_time.aot_folder()} ...", end="", file=sys.stderr, flush=True)
 
     quantized = any(isinstance(m, QuantizedLinear) for m in model.modules())
+    compiler = ahead_of_time.AheadOfTime(on_compile=say_compiling)
     try:
-        decoder = (QuantizedFastDecoder if quantized else FastDecoder)(model, compile=False)
-        done = ahead_of_time.compile_ahead(decoder, params.plain_greedy, on_compile=say_compiling)
+        decoder = (QuantizedFastDecoder if quantized else FastDecoder)(model, compile=compiler)
+        decoder.warm_up(params)
     except (ValueError, ahead_of_time.CompileFailed) as exc:
         why = str(exc).strip().splitlines()[0]
         if args.loop == "compiled":
@@ -354,10 +396,10 @@ def _compiled_decoder(args: argparse.Namespace, model: LlamaModel, params: Sampl
         print(f"\naie generate: note: the compiled decoder cannot run here, so the cached loop runs: {why}",
               file=sys.stderr)
         return None
-    if done.compiled:
-        print(f" ready in {done.seconds:.1f} s", file=sys.stderr, flush=True)
+    if compiler.compiled:
+        print(f" ready in {compiler.seconds:.1f} s", file=sys.stderr, flush=True)
     else:
-        print(f"aie generate: loaded the compiled decoder from {done.folder} in {done.seconds:.1f} s",
+        print(f"aie generate: loaded the compiled decoder from {compiler.folder} in {compiler.seconds:.1f} s",
               file=sys.stderr, flush=True)
     return decoder
 
@@ -564,22 +606,21 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--json", action="store_true",
                      help="print one JSON object per prompt (one per line, in prompt order) at the end")
     gen.add_argument("--loop", choices=["skeleton", "cached", "compiled", "engine"],
-                     help="skeleton: stage 01, no KV cache (slow, for comparison); cached: stage 04's "
-                          "KV cache; compiled: stage 09's decoder compiled ahead of time, the default "
-                          "for one prompt where it can run (CPU, float32 activations, a C++ compiler; "
-                          "with --quant its tokens can differ from the cached loop's): a machine's first "
-                          "run compiles it into data/cache/inductor/aot, later ones load it; "
-                          "engine: continuous batching (stages 06–07) "
-                          "(the default, and the only loop, for several prompts)")
+                     help="engine: continuous batching over the paged KV cache (stages 06-09), the default, for "
+                          "one prompt or many; or, for one prompt, a lesson's own loop: skeleton (stage 01, no KV "
+                          "cache: slow, for comparison), cached (stage 04's KV cache) or compiled (stage 09's "
+                          "batch-1 decoder, compiled ahead of time)")
     gen.add_argument("--max-seqs", type=int, default=DEFAULT_MAX_SEQS, metavar="N",
                      help=f"engine: requests running at once (default {DEFAULT_MAX_SEQS})")
     gen.add_argument("--token-budget", type=int, default=DEFAULT_TOKEN_BUDGET, metavar="N",
                      help=f"engine: tokens per step, prefill chunks included (default {DEFAULT_TOKEN_BUDGET}; "
                           "at least --max-seqs)")
     gen.add_argument("--step", choices=ENGINE_STEPS,
-                     help="engine: its decode step — eager (the default here: a few prompts do not pay back "
-                          "compiling), compiled (stage 09's step, compiled per batch size; inductor's cache "
-                          "keeps it for later runs) or auto (compiled where it can run)")
+                     help="engine: its decode step — auto (the default for one prompt: stage 09's step, compiled "
+                          "where it can run — float32 activations, a C++ compiler, a kernel for --quant; a "
+                          "machine's first run compiles it into data/cache/inductor/aot, later ones load it — "
+                          "eager otherwise, with the reason), eager (the default for several prompts: a few do "
+                          "not pay back compiling a step per batch size) or compiled (refused where it cannot run)")
     gen.add_argument("--kv", choices=["paged", "slots"], default="paged",
                      help="engine: KV memory in blocks of 16 tokens (stage 07, the default) or one slot "
                           "per request (stage 06); both get the bytes of --max-seqs slots")

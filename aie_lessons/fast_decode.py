@@ -27,23 +27,32 @@ if TYPE_CHECKING:
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x (K,) fp32 times weight (N, K) transposed -> (N,) fp32: a decode step's only matmul.
+    """x (1, K) fp32 times weight (N, K) transposed -> (1, N) fp32: a batch-1 step's only matmul.
 
     Under ``torch.compile`` it is spelled as an elementwise product and a row sum, which
     inductor compiles into one vectorised, multi-threaded loop that reads each weight once —
     converting bf16 weights to fp32 on the fly — and fuses whatever elementwise work produced
     ``x`` into the same loop. Run eagerly it is ``F.linear``, a BLAS call, doing the same
     arithmetic (a bf16 weight is first copied to fp32: slow, but this path is for comparison).
+    It takes any number of rows, but past one it reads the weights once per row: ``linear``
+    is the product for a batch.
     """
     if torch.compiler.is_compiling():
-        return (weight.float() * x).sum(-1)
+        return (weight.float() * x[..., None, :]).sum(-1)
     return F.linear(x, weight.float())
 
 
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x (B, K) fp32 times weight (N, K) transposed -> (B, N) fp32, in the weight's dtype: a
+    real matrix product (BLAS or oneDNN, also inside compiled code), which reads each weight
+    once for all B rows — the product of the engine's batched step (section 6)."""
+    return F.linear(x.to(weight.dtype), weight).float()
+
+
 MatVec = Callable[[torch.Tensor, Any], torch.Tensor]
-"""``matvec(x, weight)``: x (K,) fp32 times one packed matrix -> (N,) fp32. ``gemv`` for plain
-tensors; a decoder for stage 08's quantized weights packs its matrices differently and brings
-its own (``quantized_matvec``)."""
+"""``matvec(x, weight)``: x (B, K) fp32 times one packed matrix -> (B, N) fp32. ``gemv`` for
+plain tensors at batch 1, ``linear`` for a batch; a decoder for stage 08's quantized weights
+packs its matrices differently and brings its own (``quantized_matvec``)."""
 
 
 def matrix_bytes(weight: Any) -> int:
@@ -209,15 +218,36 @@ def rope_one_token(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tor
     return x * cos + (pairs.flip(-2) * sign).view(x.shape) * sin
 
 
+Attend = Callable[..., torch.Tensor]
+"""``attend(q, k, v, *cache)``: a step's new rows — q (B, Hq, D), k and v (B, Hkv, D), RoPE
+applied — written into ``cache`` (its tensors, and where the rows go), and the attention
+output (B, Hq, D) fp32. Where a step keeps its keys is the only thing that differs between
+the batch-1 decoder (``cached_attention``: one request's cache) and the engine's step (section
+6: slots of the paged pool), so it is the one argument of the layer that does."""
+
+
+def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: torch.Tensor,
+                     values: torch.Tensor, t: int) -> torch.Tensor:
+    """``Attend`` for one request (B = 1) and its own cache, keys/values (Hkv, max_len, D):
+    row ``t`` written in place, then the query against rows 0 to t (exercise 9.2).
+
+    Everything is looked up *inside* the compiled function (``narrow``), so after its first two
+    calls ``torch.compile`` treats ``t`` as a symbol and never recompiles.
+    """
+    keys.narrow(1, t, 1).copy_(k.transpose(0, 1))  # (1, Hkv, D) -> (Hkv, 1, D)
+    values.narrow(1, t, 1).copy_(v.transpose(0, 1))
+    return decode_attention(q[0], keys.narrow(1, 0, t + 1), values.narrow(1, 0, t + 1))[None]
+
+
 def decode_layer(
     x: torch.Tensor,
-    t: int,
     cos: torch.Tensor,
     sin: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
     eps: float,
+    kv_heads: int,
     matvec: MatVec,
+    attend: Attend,
+    cache: tuple[Any, ...],
     qkv: Any,
     o: Any,
     gate_up: Any,
@@ -225,41 +255,40 @@ def decode_layer(
     input_norm: torch.Tensor,
     post_norm: torch.Tensor,
 ) -> tuple[torch.Tensor, Stored]:
-    """One decoder layer for one new token at position ``t``: x after the layer, and ``Stored``.
+    """One decoder layer for B new tokens, one per row: x after the layer, and ``Stored``.
 
-    x (hidden,) fp32; cos/sin (max_len, D) RoPE tables; keys/values (Hkv, max_len, D) this
-    layer's cache, whose row ``t`` is written here, in place. Everything is looked up *inside*
-    the function (``cos[t]``, ``narrow``), so after its first two calls ``torch.compile``
-    treats ``t`` as a symbol and never recompiles; sizes come from the tensors' shapes, so one
-    compiled function serves every layer. The matrices are only ever handed to ``matvec``.
+    x (B, hidden) fp32; cos/sin (B, 1, D), each row's RoPE angles. The layer's math is written
+    once, here, for the batch-1 decoder and for the engine's batched step (section 6): how a
+    product is done is ``matvec``'s business and where keys live ``attend``'s (with ``cache``,
+    its tensors), so fusions and layouts are options of this function, not copies of it. Sizes
+    come from the tensors' shapes, so one compiled function serves every layer. The matrices
+    are only ever handed to ``matvec``.
     """
-    head_dim = cos.shape[-1]
-    kv_size = keys.shape[0] * head_dim
+    batch, head_dim = x.shape[0], cos.shape[-1]
+    kv_size = kv_heads * head_dim
     normed = rms_norm(x, input_norm, eps)
     projected = matvec(normed, qkv)
-    q, k, v = projected.split([projected.shape[0] - 2 * kv_size, kv_size, kv_size])
-    cos, sin = cos[t], sin[t]
-    q = rope_one_token(q.view(-1, head_dim), cos, sin)  # (Hq, D)
-    k = rope_one_token(k.view(-1, head_dim), cos, sin)
-    keys.narrow(1, t, 1).copy_(k.view(-1, 1, head_dim))
-    values.narrow(1, t, 1).copy_(v.view(-1, 1, head_dim))
-    attended = decode_attention(q, keys.narrow(1, 0, t + 1), values.narrow(1, 0, t + 1))
-    x = x + matvec(attended.reshape(-1), o)
+    q, k, v = projected.split([projected.shape[-1] - 2 * kv_size, kv_size, kv_size], dim=-1)
+    q = rope_one_token(q.reshape(batch, -1, head_dim), cos, sin)  # (B, Hq, D)
+    k = rope_one_token(k.reshape(batch, kv_heads, head_dim), cos, sin)
+    attended = attend(q, k, v.reshape(batch, kv_heads, head_dim), *cache)
+    x = x + matvec(attended.reshape(batch, -1), o)
     normed_mid = rms_norm(x, post_norm, eps)
-    gate, up = matvec(normed_mid, gate_up).chunk(2)
+    gate, up = matvec(normed_mid, gate_up).chunk(2, dim=-1)
     return x + matvec(F.silu(gate) * up, down), (normed, normed_mid)
 
 
 def decode_head(
     x: torch.Tensor, norm: torch.Tensor, eps: float, head: Any, matvec: MatVec, greedy: bool
 ) -> tuple[torch.Tensor, Stored]:
-    """Final norm and output head: the greedy next token (0-d) if ``greedy``, else the logits.
+    """Final norm and output head of B rows: each row's greedy next token (B,) if ``greedy``,
+    else the logits (B, vocab).
 
     Greedy decoding fuses the argmax in, so the 49152 logits never leave the compiled code.
     """
     normed = rms_norm(x, norm, eps)
     logits = matvec(normed, head)
-    return (logits.argmax() if greedy else logits), (normed,)
+    return (logits.argmax(-1) if greedy else logits), (normed,)
 
 
 def decode_layers(
@@ -272,12 +301,41 @@ def decode_layers(
     while the memory sits idle, so fewer, larger calls pay (rung 7 of stage 09's ladder), most
     of all in bf16, whose step is shorter. The compiler unrolls the loop, so its work grows
     with the layers per call, which is why not all of them.
+
+    Here the step is one request's: x (1, hidden), the position ``t`` and the request's
+    (max_len, D) RoPE tables, from which the row ``t`` is looked up inside the compiled code.
     """
     stored: Stored = ()
+    cos, sin = cos[t].view(1, 1, -1), sin[t].view(1, 1, -1)
     for keys, values, weights in layers:
-        x, more = decode_layer(x, t, cos, sin, keys, values, eps, matvec, *weights)
+        x, more = decode_layer(x, cos, sin, eps, keys.shape[0], matvec, cached_attention, (keys, values, t),
+                               *weights)
         stored += more
     return x, stored
+
+
+Compiler = Callable[[Callable], Callable]
+"""What turns a step function into its compiled version, as ``torch.compile(fn)`` does."""
+
+
+def step_compiler(compile: bool | Compiler, **options: Any) -> Compiler:
+    """The compiler a ``compile`` option names: ``torch.compile`` for True (with ``options``),
+    none for False (the step runs eagerly, to compare), or the compiler given — the runtime's
+    ``AheadOfTime``, whose compiled code a later process loads instead of compiling again.
+
+    ``torch.compile`` keeps one cache of compiled versions per function, and every decoder (its
+    dtype, layers per call, matvec) adds its own: past the default limit of 8 dynamo would
+    quietly run the next ones eagerly. So using it raises dynamo's process-wide
+    ``recompile_limit`` to at least 64 — raised, never lowered.
+    """
+    if callable(compile):
+        return compile
+    if not compile:
+        return lambda function: function
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+    # Inductor's Python wrapper re-checks every input's size and stride on each call, after
+    # dynamo's guards have checked them to pick the compiled code: a cost per call, skipped.
+    return lambda function: torch.compile(function, options={"size_asserts": False}, **options)
 
 
 class FastDecoder:
@@ -285,22 +343,23 @@ class FastDecoder:
 
     With ``compile=True`` (the point of it) the first request — or ``warm_up`` — compiles
     ``decode_layers`` and ``decode_head`` with ``torch.compile``, which needs a C++ compiler
-    on CPU; inductor's on-disk cache spares later processes most of that wait.
-    ``compile=False`` runs the same fused step eagerly. ``layers_per_call`` trades compile
-    work for speed (stage 09's ladder measures the speed).
+    on CPU; inductor's on-disk cache spares later processes most of that wait. ``compile``
+    may also be another compiler (``step_compiler``). ``compile=False`` runs the same fused
+    step eagerly. ``layers_per_call`` trades compile work for speed (stage 09's ladder
+    measures the speed).
     Building a decoder copies the model's weights: with ``packed`` into one block in reading
     order (``pack_weights``), without it into one matrix per group. The model is not changed.
 
-    A compiling decoder raises dynamo's process-wide ``recompile_limit`` to at least 64: every
-    decoder adds compiled versions of the same two functions, and past the default of 8 dynamo
-    would silently run the next ones eagerly.
+    A decoder compiled by ``torch.compile`` raises dynamo's process-wide ``recompile_limit`` to
+    at least 64 (``step_compiler`` says why).
 
     Two methods are meant to be overridden, so that a later stage can decode with other
     weights without editing this one: ``pack`` (how the matrices are stored) and ``matvec``
     (how a vector is multiplied by one of them).
     """
 
-    def __init__(self, model: LlamaModel, compile: bool = True, layers_per_call: int = 5, packed: bool = True):
+    def __init__(self, model: LlamaModel, compile: bool | Compiler = True, layers_per_call: int = 5,
+                 packed: bool = True):
         if layers_per_call < 1:
             raise ValueError(f"layers_per_call must be at least 1, got {layers_per_call}")
         if model.activations != torch.float32:
@@ -315,17 +374,8 @@ class FastDecoder:
         self.embed = model.embed_tokens.weight.detach()
         self.final_norm = model.norm.weight.detach().float()
         self.eps = model.config.rms_norm_eps
-        # Inductor's Python wrapper re-checks every input's size and stride on each call, after
-        # dynamo's guards have checked them to pick the compiled code: a cost per call, skipped.
-        options = {"size_asserts": False}
-        if compile:
-            # Dynamo keeps one cache of compiled versions per function, and every decoder (its
-            # dtype, layers per call, matvec) adds its own: past the default limit of 8 it would
-            # quietly run the next decoders eagerly. Raised, never lowered — a process-wide
-            # setting, which the class docstring names.
-            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-        self.decode_layers = torch.compile(decode_layers, options=options) if compile else decode_layers
-        self.decode_head = torch.compile(decode_head, options=options) if compile else decode_head
+        compiler = step_compiler(compile)
+        self.decode_layers, self.decode_head = compiler(decode_layers), compiler(decode_head)
 
     def pack(self, model: LlamaModel) -> list[Any]:
         """The matrices of ``decode_groups(model)``, in that order, as ``matvec`` will read them.
@@ -364,12 +414,12 @@ class FastDecoder:
 
     def step(self, token: int, t: int, calls: list[list[LayerInputs]], cos: torch.Tensor, sin: torch.Tensor,
              greedy: bool = True) -> torch.Tensor:
-        """Decode ``token`` at position ``t``: the next token's id (0-d) if greedy, else the logits.
+        """Decode ``token`` at position ``t``: the next token's id (1,) if greedy, else the logits (1, vocab).
 
         ``calls`` is ``layer_inputs(cache)`` of this request's cache, whose row ``t`` this
         writes; ``cos``/``sin`` are its (max_len, D) RoPE tables.
         """
-        x = self.embed[token].float()
+        x = self.embed[token].float()[None]
         for layers in calls:
             x, _ = self.decode_layers(x, t, cos, sin, self.eps, self.matvec, layers)
         out, _ = self.decode_head(x, self.final_norm, self.eps, self.head, self.matvec, greedy)
@@ -423,7 +473,7 @@ class FastDecoder:
         calls, cos, sin, logits = self._prefill(prompt_ids, n + len(continuation) - 1)
         rows = [logits[0, -1]]
         for t, token in enumerate(continuation[:-1], start=n):
-            rows.append(self.step(token, t, calls, cos, sin, greedy=False))
+            rows.append(self.step(token, t, calls, cos, sin, greedy=False)[0])
         return torch.stack(rows)
 
     # no_grad, not inference_mode: tensors made under inference_mode differ from the compiled
@@ -443,7 +493,7 @@ class FastDecoder:
             if t + 1 == max_len:
                 return
             out = self.step(token, t, calls, cos, sin, params.plain_greedy)
-            token = int(out) if params.plain_greedy else sample_next(out[None, None], [params], generators, [history])[0]
+            token = int(out) if params.plain_greedy else sample_next(out[None], [params], generators, [history])[0]
 
     def warm_up(self, params: SamplingParams = SamplingParams()) -> None:
         """Compile now, before a request: two steps of a one-token prompt. The first compiles the
@@ -490,15 +540,16 @@ def kernel_matrix(group: list[QuantizedLinear]) -> KernelMatrix:
 
 
 def quantized_matvec(x: torch.Tensor, weight: Any) -> torch.Tensor:
-    """``matvec`` for a quantized model: x (K,) fp32 times a ``KernelMatrix``, a tuple of
-    matrices (a group of mixed schemes), or a float matrix -> (N,) fp32. The kernels take bf16
+    """``matvec`` for a quantized model: x (B, K) fp32 times a ``KernelMatrix``, a tuple of
+    matrices (a group of mixed schemes), or a float matrix -> (B, N) fp32. The kernels take bf16
     rows, so x is rounded to bf16 for them, as stage 08's layers do with bf16 activations: the
-    tokens can therefore differ from those of the same model run with fp32 activations."""
+    tokens can therefore differ from those of the same model run with fp32 activations. A float
+    matrix (an unquantized head) is ``gemv``'s at batch 1 and ``linear``'s for a batch."""
     if isinstance(weight, tuple):
-        return torch.cat([quantized_matvec(x, part) for part in weight])
+        return torch.cat([quantized_matvec(x, part) for part in weight], dim=-1)
     if isinstance(weight, KernelMatrix):
-        return kernel_matmul(x.to(torch.bfloat16)[None], weight.weights, weight.scales, weight.scheme)[0].float()
-    return gemv(x, weight)
+        return kernel_matmul(x.to(torch.bfloat16), weight.weights, weight.scales, weight.scheme).float()
+    return gemv(x, weight) if x.shape[0] == 1 else linear(x, weight)
 
 
 def kernel_refusal(name: str, layer: QuantizedLinear) -> str | None:
@@ -513,6 +564,32 @@ def kernel_refusal(name: str, layer: QuantizedLinear) -> str | None:
     return None
 
 
+def quantized_refusal(model: LlamaModel) -> str | None:
+    """Why PyTorch's CPU kernels cannot read ``model``'s quantized layers inside a compiled
+    step, naming the layer and the fix; None when they can (or nothing is quantized)."""
+    layers = [(name, layer) for name, layer in model.named_modules() if isinstance(layer, QuantizedLinear)]
+    if layers and model.embed_tokens.weight.device.type != "cpu":
+        return ("stage 08's quantized weights are read through PyTorch's CPU kernels: load the model on the CPU, "
+                "or decode bf16 weights instead")
+    return next(filter(None, (kernel_refusal(name, layer) for name, layer in layers)), None)
+
+
+def pack_quantized(model: LlamaModel) -> list[Any]:
+    """The matrices of ``decode_modules(model)`` for ``quantized_matvec``, per group: one
+    ``KernelMatrix``, a tuple of them (mixed schemes), or a float matrix (nothing quantized)."""
+    matrices: list[Any] = []
+    for group in decode_modules(model):
+        quantized = [isinstance(layer, QuantizedLinear) for layer in group]
+        if all(quantized) and len({layer.scheme for layer in group}) == 1:
+            matrices.append(kernel_matrix(group))
+        elif any(quantized):
+            matrices.append(tuple(kernel_matrix([layer]) if isinstance(layer, QuantizedLinear)
+                                  else layer.weight.detach() for layer in group))
+        else:
+            matrices.append(torch.cat([layer.weight.detach() for layer in group]))
+    return matrices
+
+
 class QuantizedFastDecoder(FastDecoder):
     """``FastDecoder`` for a model quantized by stage 08: integer weights read by PyTorch's CPU
     kernels inside the compiled step, float layers (an unquantized head) as before.
@@ -524,33 +601,18 @@ class QuantizedFastDecoder(FastDecoder):
     each keeps the kernel's own layout.
     """
 
-    def __init__(self, model: LlamaModel, compile: bool = True, layers_per_call: int = 5):
-        layers = [(name, layer) for name, layer in model.named_modules() if isinstance(layer, QuantizedLinear)]
-        if not layers:
+    def __init__(self, model: LlamaModel, compile: bool | Compiler = True, layers_per_call: int = 5):
+        if not any(isinstance(layer, QuantizedLinear) for layer in model.modules()):
             raise ValueError("this model has no quantized layers. Fix: quantize it with quantize_model(model, "
                              "scheme) first, or decode it with FastDecoder")
-        if model.embed_tokens.weight.device.type != "cpu":
-            raise ValueError("QuantizedFastDecoder reads weights through PyTorch's CPU kernels: load the model on "
-                             "the CPU, or decode bf16 weights with FastDecoder")
-        for name, layer in layers:
-            refusal = kernel_refusal(name, layer)
-            if refusal:
-                raise ValueError(refusal)
+        refusal = quantized_refusal(model)
+        if refusal:
+            raise ValueError(refusal)
         super().__init__(model, compile, layers_per_call, packed=False)
 
     def pack(self, model: LlamaModel) -> list[Any]:
         """Per group: one ``KernelMatrix``, a tuple of them (mixed schemes), or a float matrix."""
         self.block = None
-        matrices: list[Any] = []
-        for group in decode_modules(model):
-            quantized = [isinstance(layer, QuantizedLinear) for layer in group]
-            if all(quantized) and len({layer.scheme for layer in group}) == 1:
-                matrices.append(kernel_matrix(group))
-            elif any(quantized):
-                matrices.append(tuple(kernel_matrix([layer]) if isinstance(layer, QuantizedLinear)
-                                      else layer.weight.detach() for layer in group))
-            else:
-                matrices.append(torch.cat([layer.weight.detach() for layer in group]))
-        return matrices
+        return pack_quantized(model)
 
     matvec = staticmethod(quantized_matvec)

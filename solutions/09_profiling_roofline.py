@@ -869,23 +869,32 @@ from aie_lessons.sampling import SamplingParams, make_generator, sample_next
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x (K,) fp32 times weight (N, K) transposed -> (N,) fp32: a decode step's only matmul.
+    """x (1, K) fp32 times weight (N, K) transposed -> (1, N) fp32: a batch-1 step's only matmul.
 
     Under ``torch.compile`` it is spelled as an elementwise product and a row sum, which
     inductor compiles into one vectorised, multi-threaded loop that reads each weight once —
     converting bf16 weights to fp32 on the fly — and fuses whatever elementwise work produced
     ``x`` into the same loop. Run eagerly it is ``F.linear``, a BLAS call, doing the same
     arithmetic (a bf16 weight is first copied to fp32: slow, but this path is for comparison).
+    It takes any number of rows, but past one it reads the weights once per row: ``linear``
+    is the product for a batch.
     """
     if torch.compiler.is_compiling():
-        return (weight.float() * x).sum(-1)
+        return (weight.float() * x[..., None, :]).sum(-1)
     return F.linear(x, weight.float())
 
 
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x (B, K) fp32 times weight (N, K) transposed -> (B, N) fp32, in the weight's dtype: a
+    real matrix product (BLAS or oneDNN, also inside compiled code), which reads each weight
+    once for all B rows — the product of the engine's batched step (section 6)."""
+    return F.linear(x.to(weight.dtype), weight).float()
+
+
 MatVec = Callable[[torch.Tensor, Any], torch.Tensor]
-"""``matvec(x, weight)``: x (K,) fp32 times one packed matrix -> (N,) fp32. ``gemv`` for plain
-tensors; a decoder for stage 08's quantized weights packs its matrices differently and brings
-its own (``quantized_matvec``)."""
+"""``matvec(x, weight)``: x (B, K) fp32 times one packed matrix -> (B, N) fp32. ``gemv`` for
+plain tensors at batch 1, ``linear`` for a batch; a decoder for stage 08's quantized weights
+packs its matrices differently and brings its own (``quantized_matvec``)."""
 
 
 def matrix_bytes(weight: Any) -> int:
@@ -1058,10 +1067,14 @@ checks.stage09.check_decode_attention(decode_attention)
 
 
 # %% [markdown]
-# The step itself: one layer for one token (`decode_layer`), the output head with the argmax
-# fused in (`decode_head`), several layers per call (`decode_layers`), and the decoder that
-# runs the ordinary model for the prefill and these for every step. Its `pack` and `matvec`
-# are where later rungs plug in other weights.
+# The step itself: one layer (`decode_layer`), the output head with the argmax fused in
+# (`decode_head`), several layers per call (`decode_layers`), and the decoder that runs the
+# ordinary model for the prefill and these for every step. The layer is written for B new
+# tokens, one per row, though the decoder here has one: section 6's engine step runs this very
+# function over a batch, so the layer's math exists once. What differs between the two is
+# passed in — `matvec`, how a product is done, and `attend`, where the keys live (here
+# `cached_attention`: one request's cache, around your exercise 9.2). The decoder's `pack` and
+# `matvec` are where later rungs plug in other weights.
 
 # %%
 # export: fast_decode
@@ -1089,15 +1102,36 @@ def rope_one_token(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tor
     return x * cos + (pairs.flip(-2) * sign).view(x.shape) * sin
 
 
+Attend = Callable[..., torch.Tensor]
+"""``attend(q, k, v, *cache)``: a step's new rows — q (B, Hq, D), k and v (B, Hkv, D), RoPE
+applied — written into ``cache`` (its tensors, and where the rows go), and the attention
+output (B, Hq, D) fp32. Where a step keeps its keys is the only thing that differs between
+the batch-1 decoder (``cached_attention``: one request's cache) and the engine's step (section
+6: slots of the paged pool), so it is the one argument of the layer that does."""
+
+
+def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: torch.Tensor,
+                     values: torch.Tensor, t: int) -> torch.Tensor:
+    """``Attend`` for one request (B = 1) and its own cache, keys/values (Hkv, max_len, D):
+    row ``t`` written in place, then the query against rows 0 to t (exercise 9.2).
+
+    Everything is looked up *inside* the compiled function (``narrow``), so after its first two
+    calls ``torch.compile`` treats ``t`` as a symbol and never recompiles.
+    """
+    keys.narrow(1, t, 1).copy_(k.transpose(0, 1))  # (1, Hkv, D) -> (Hkv, 1, D)
+    values.narrow(1, t, 1).copy_(v.transpose(0, 1))
+    return decode_attention(q[0], keys.narrow(1, 0, t + 1), values.narrow(1, 0, t + 1))[None]
+
+
 def decode_layer(
     x: torch.Tensor,
-    t: int,
     cos: torch.Tensor,
     sin: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
     eps: float,
+    kv_heads: int,
     matvec: MatVec,
+    attend: Attend,
+    cache: tuple[Any, ...],
     qkv: Any,
     o: Any,
     gate_up: Any,
@@ -1105,41 +1139,40 @@ def decode_layer(
     input_norm: torch.Tensor,
     post_norm: torch.Tensor,
 ) -> tuple[torch.Tensor, Stored]:
-    """One decoder layer for one new token at position ``t``: x after the layer, and ``Stored``.
+    """One decoder layer for B new tokens, one per row: x after the layer, and ``Stored``.
 
-    x (hidden,) fp32; cos/sin (max_len, D) RoPE tables; keys/values (Hkv, max_len, D) this
-    layer's cache, whose row ``t`` is written here, in place. Everything is looked up *inside*
-    the function (``cos[t]``, ``narrow``), so after its first two calls ``torch.compile``
-    treats ``t`` as a symbol and never recompiles; sizes come from the tensors' shapes, so one
-    compiled function serves every layer. The matrices are only ever handed to ``matvec``.
+    x (B, hidden) fp32; cos/sin (B, 1, D), each row's RoPE angles. The layer's math is written
+    once, here, for the batch-1 decoder and for the engine's batched step (section 6): how a
+    product is done is ``matvec``'s business and where keys live ``attend``'s (with ``cache``,
+    its tensors), so fusions and layouts are options of this function, not copies of it. Sizes
+    come from the tensors' shapes, so one compiled function serves every layer. The matrices
+    are only ever handed to ``matvec``.
     """
-    head_dim = cos.shape[-1]
-    kv_size = keys.shape[0] * head_dim
+    batch, head_dim = x.shape[0], cos.shape[-1]
+    kv_size = kv_heads * head_dim
     normed = rms_norm(x, input_norm, eps)
     projected = matvec(normed, qkv)
-    q, k, v = projected.split([projected.shape[0] - 2 * kv_size, kv_size, kv_size])
-    cos, sin = cos[t], sin[t]
-    q = rope_one_token(q.view(-1, head_dim), cos, sin)  # (Hq, D)
-    k = rope_one_token(k.view(-1, head_dim), cos, sin)
-    keys.narrow(1, t, 1).copy_(k.view(-1, 1, head_dim))
-    values.narrow(1, t, 1).copy_(v.view(-1, 1, head_dim))
-    attended = decode_attention(q, keys.narrow(1, 0, t + 1), values.narrow(1, 0, t + 1))
-    x = x + matvec(attended.reshape(-1), o)
+    q, k, v = projected.split([projected.shape[-1] - 2 * kv_size, kv_size, kv_size], dim=-1)
+    q = rope_one_token(q.reshape(batch, -1, head_dim), cos, sin)  # (B, Hq, D)
+    k = rope_one_token(k.reshape(batch, kv_heads, head_dim), cos, sin)
+    attended = attend(q, k, v.reshape(batch, kv_heads, head_dim), *cache)
+    x = x + matvec(attended.reshape(batch, -1), o)
     normed_mid = rms_norm(x, post_norm, eps)
-    gate, up = matvec(normed_mid, gate_up).chunk(2)
+    gate, up = matvec(normed_mid, gate_up).chunk(2, dim=-1)
     return x + matvec(F.silu(gate) * up, down), (normed, normed_mid)
 
 
 def decode_head(
     x: torch.Tensor, norm: torch.Tensor, eps: float, head: Any, matvec: MatVec, greedy: bool
 ) -> tuple[torch.Tensor, Stored]:
-    """Final norm and output head: the greedy next token (0-d) if ``greedy``, else the logits.
+    """Final norm and output head of B rows: each row's greedy next token (B,) if ``greedy``,
+    else the logits (B, vocab).
 
     Greedy decoding fuses the argmax in, so the 49152 logits never leave the compiled code.
     """
     normed = rms_norm(x, norm, eps)
     logits = matvec(normed, head)
-    return (logits.argmax() if greedy else logits), (normed,)
+    return (logits.argmax(-1) if greedy else logits), (normed,)
 
 
 def decode_layers(
@@ -1152,12 +1185,41 @@ def decode_layers(
     while the memory sits idle, so fewer, larger calls pay (rung 7 of stage 09's ladder), most
     of all in bf16, whose step is shorter. The compiler unrolls the loop, so its work grows
     with the layers per call, which is why not all of them.
+
+    Here the step is one request's: x (1, hidden), the position ``t`` and the request's
+    (max_len, D) RoPE tables, from which the row ``t`` is looked up inside the compiled code.
     """
     stored: Stored = ()
+    cos, sin = cos[t].view(1, 1, -1), sin[t].view(1, 1, -1)
     for keys, values, weights in layers:
-        x, more = decode_layer(x, t, cos, sin, keys, values, eps, matvec, *weights)
+        x, more = decode_layer(x, cos, sin, eps, keys.shape[0], matvec, cached_attention, (keys, values, t),
+                               *weights)
         stored += more
     return x, stored
+
+
+Compiler = Callable[[Callable], Callable]
+"""What turns a step function into its compiled version, as ``torch.compile(fn)`` does."""
+
+
+def step_compiler(compile: bool | Compiler, **options: Any) -> Compiler:
+    """The compiler a ``compile`` option names: ``torch.compile`` for True (with ``options``),
+    none for False (the step runs eagerly, to compare), or the compiler given — the runtime's
+    ``AheadOfTime``, whose compiled code a later process loads instead of compiling again.
+
+    ``torch.compile`` keeps one cache of compiled versions per function, and every decoder (its
+    dtype, layers per call, matvec) adds its own: past the default limit of 8 dynamo would
+    quietly run the next ones eagerly. So using it raises dynamo's process-wide
+    ``recompile_limit`` to at least 64 — raised, never lowered.
+    """
+    if callable(compile):
+        return compile
+    if not compile:
+        return lambda function: function
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+    # Inductor's Python wrapper re-checks every input's size and stride on each call, after
+    # dynamo's guards have checked them to pick the compiled code: a cost per call, skipped.
+    return lambda function: torch.compile(function, options={"size_asserts": False}, **options)
 
 
 class FastDecoder:
@@ -1165,22 +1227,23 @@ class FastDecoder:
 
     With ``compile=True`` (the point of it) the first request — or ``warm_up`` — compiles
     ``decode_layers`` and ``decode_head`` with ``torch.compile``, which needs a C++ compiler
-    on CPU; inductor's on-disk cache spares later processes most of that wait.
-    ``compile=False`` runs the same fused step eagerly. ``layers_per_call`` trades compile
-    work for speed (stage 09's ladder measures the speed).
+    on CPU; inductor's on-disk cache spares later processes most of that wait. ``compile``
+    may also be another compiler (``step_compiler``). ``compile=False`` runs the same fused
+    step eagerly. ``layers_per_call`` trades compile work for speed (stage 09's ladder
+    measures the speed).
     Building a decoder copies the model's weights: with ``packed`` into one block in reading
     order (``pack_weights``), without it into one matrix per group. The model is not changed.
 
-    A compiling decoder raises dynamo's process-wide ``recompile_limit`` to at least 64: every
-    decoder adds compiled versions of the same two functions, and past the default of 8 dynamo
-    would silently run the next ones eagerly.
+    A decoder compiled by ``torch.compile`` raises dynamo's process-wide ``recompile_limit`` to
+    at least 64 (``step_compiler`` says why).
 
     Two methods are meant to be overridden, so that a later stage can decode with other
     weights without editing this one: ``pack`` (how the matrices are stored) and ``matvec``
     (how a vector is multiplied by one of them).
     """
 
-    def __init__(self, model: LlamaModel, compile: bool = True, layers_per_call: int = 5, packed: bool = True):
+    def __init__(self, model: LlamaModel, compile: bool | Compiler = True, layers_per_call: int = 5,
+                 packed: bool = True):
         if layers_per_call < 1:
             raise ValueError(f"layers_per_call must be at least 1, got {layers_per_call}")
         if model.activations != torch.float32:
@@ -1195,17 +1258,8 @@ class FastDecoder:
         self.embed = model.embed_tokens.weight.detach()
         self.final_norm = model.norm.weight.detach().float()
         self.eps = model.config.rms_norm_eps
-        # Inductor's Python wrapper re-checks every input's size and stride on each call, after
-        # dynamo's guards have checked them to pick the compiled code: a cost per call, skipped.
-        options = {"size_asserts": False}
-        if compile:
-            # Dynamo keeps one cache of compiled versions per function, and every decoder (its
-            # dtype, layers per call, matvec) adds its own: past the default limit of 8 it would
-            # quietly run the next decoders eagerly. Raised, never lowered — a process-wide
-            # setting, which the class docstring names.
-            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-        self.decode_layers = torch.compile(decode_layers, options=options) if compile else decode_layers
-        self.decode_head = torch.compile(decode_head, options=options) if compile else decode_head
+        compiler = step_compiler(compile)
+        self.decode_layers, self.decode_head = compiler(decode_layers), compiler(decode_head)
 
     def pack(self, model: LlamaModel) -> list[Any]:
         """The matrices of ``decode_groups(model)``, in that order, as ``matvec`` will read them.
@@ -1244,12 +1298,12 @@ class FastDecoder:
 
     def step(self, token: int, t: int, calls: list[list[LayerInputs]], cos: torch.Tensor, sin: torch.Tensor,
              greedy: bool = True) -> torch.Tensor:
-        """Decode ``token`` at position ``t``: the next token's id (0-d) if greedy, else the logits.
+        """Decode ``token`` at position ``t``: the next token's id (1,) if greedy, else the logits (1, vocab).
 
         ``calls`` is ``layer_inputs(cache)`` of this request's cache, whose row ``t`` this
         writes; ``cos``/``sin`` are its (max_len, D) RoPE tables.
         """
-        x = self.embed[token].float()
+        x = self.embed[token].float()[None]
         for layers in calls:
             x, _ = self.decode_layers(x, t, cos, sin, self.eps, self.matvec, layers)
         out, _ = self.decode_head(x, self.final_norm, self.eps, self.head, self.matvec, greedy)
@@ -1303,7 +1357,7 @@ class FastDecoder:
         calls, cos, sin, logits = self._prefill(prompt_ids, n + len(continuation) - 1)
         rows = [logits[0, -1]]
         for t, token in enumerate(continuation[:-1], start=n):
-            rows.append(self.step(token, t, calls, cos, sin, greedy=False))
+            rows.append(self.step(token, t, calls, cos, sin, greedy=False)[0])
         return torch.stack(rows)
 
     # no_grad, not inference_mode: tensors made under inference_mode differ from the compiled
@@ -1323,7 +1377,7 @@ class FastDecoder:
             if t + 1 == max_len:
                 return
             out = self.step(token, t, calls, cos, sin, params.plain_greedy)
-            token = int(out) if params.plain_greedy else sample_next(out[None, None], [params], generators, [history])[0]
+            token = int(out) if params.plain_greedy else sample_next(out[None], [params], generators, [history])[0]
 
     def warm_up(self, params: SamplingParams = SamplingParams()) -> None:
         """Compile now, before a request: two steps of a one-token prompt. The first compiles the
@@ -1363,7 +1417,7 @@ class UnfusedDecoder(FastDecoder):
 
     @staticmethod
     def matvec(x: torch.Tensor, weights: tuple) -> torch.Tensor:
-        return torch.cat([gemv(x, w) for w in weights])
+        return torch.cat([gemv(x, w) for w in weights], dim=-1)
 
 
 kept = {}  # rung name: whether it continued the prompt with stage 04's tokens
@@ -1497,15 +1551,16 @@ def kernel_matrix(group: list[QuantizedLinear]) -> KernelMatrix:
 
 
 def quantized_matvec(x: torch.Tensor, weight: Any) -> torch.Tensor:
-    """``matvec`` for a quantized model: x (K,) fp32 times a ``KernelMatrix``, a tuple of
-    matrices (a group of mixed schemes), or a float matrix -> (N,) fp32. The kernels take bf16
+    """``matvec`` for a quantized model: x (B, K) fp32 times a ``KernelMatrix``, a tuple of
+    matrices (a group of mixed schemes), or a float matrix -> (B, N) fp32. The kernels take bf16
     rows, so x is rounded to bf16 for them, as stage 08's layers do with bf16 activations: the
-    tokens can therefore differ from those of the same model run with fp32 activations."""
+    tokens can therefore differ from those of the same model run with fp32 activations. A float
+    matrix (an unquantized head) is ``gemv``'s at batch 1 and ``linear``'s for a batch."""
     if isinstance(weight, tuple):
-        return torch.cat([quantized_matvec(x, part) for part in weight])
+        return torch.cat([quantized_matvec(x, part) for part in weight], dim=-1)
     if isinstance(weight, KernelMatrix):
-        return kernel_matmul(x.to(torch.bfloat16)[None], weight.weights, weight.scales, weight.scheme)[0].float()
-    return gemv(x, weight)
+        return kernel_matmul(x.to(torch.bfloat16), weight.weights, weight.scales, weight.scheme).float()
+    return gemv(x, weight) if x.shape[0] == 1 else linear(x, weight)
 
 
 def kernel_refusal(name: str, layer: QuantizedLinear) -> str | None:
@@ -1520,6 +1575,32 @@ def kernel_refusal(name: str, layer: QuantizedLinear) -> str | None:
     return None
 
 
+def quantized_refusal(model: LlamaModel) -> str | None:
+    """Why PyTorch's CPU kernels cannot read ``model``'s quantized layers inside a compiled
+    step, naming the layer and the fix; None when they can (or nothing is quantized)."""
+    layers = [(name, layer) for name, layer in model.named_modules() if isinstance(layer, QuantizedLinear)]
+    if layers and model.embed_tokens.weight.device.type != "cpu":
+        return ("stage 08's quantized weights are read through PyTorch's CPU kernels: load the model on the CPU, "
+                "or decode bf16 weights instead")
+    return next(filter(None, (kernel_refusal(name, layer) for name, layer in layers)), None)
+
+
+def pack_quantized(model: LlamaModel) -> list[Any]:
+    """The matrices of ``decode_modules(model)`` for ``quantized_matvec``, per group: one
+    ``KernelMatrix``, a tuple of them (mixed schemes), or a float matrix (nothing quantized)."""
+    matrices: list[Any] = []
+    for group in decode_modules(model):
+        quantized = [isinstance(layer, QuantizedLinear) for layer in group]
+        if all(quantized) and len({layer.scheme for layer in group}) == 1:
+            matrices.append(kernel_matrix(group))
+        elif any(quantized):
+            matrices.append(tuple(kernel_matrix([layer]) if isinstance(layer, QuantizedLinear)
+                                  else layer.weight.detach() for layer in group))
+        else:
+            matrices.append(torch.cat([layer.weight.detach() for layer in group]))
+    return matrices
+
+
 class QuantizedFastDecoder(FastDecoder):
     """``FastDecoder`` for a model quantized by stage 08: integer weights read by PyTorch's CPU
     kernels inside the compiled step, float layers (an unquantized head) as before.
@@ -1531,34 +1612,19 @@ class QuantizedFastDecoder(FastDecoder):
     each keeps the kernel's own layout.
     """
 
-    def __init__(self, model: LlamaModel, compile: bool = True, layers_per_call: int = 5):
-        layers = [(name, layer) for name, layer in model.named_modules() if isinstance(layer, QuantizedLinear)]
-        if not layers:
+    def __init__(self, model: LlamaModel, compile: bool | Compiler = True, layers_per_call: int = 5):
+        if not any(isinstance(layer, QuantizedLinear) for layer in model.modules()):
             raise ValueError("this model has no quantized layers. Fix: quantize it with quantize_model(model, "
                              "scheme) first, or decode it with FastDecoder")
-        if model.embed_tokens.weight.device.type != "cpu":
-            raise ValueError("QuantizedFastDecoder reads weights through PyTorch's CPU kernels: load the model on "
-                             "the CPU, or decode bf16 weights with FastDecoder")
-        for name, layer in layers:
-            refusal = kernel_refusal(name, layer)
-            if refusal:
-                raise ValueError(refusal)
+        refusal = quantized_refusal(model)
+        if refusal:
+            raise ValueError(refusal)
         super().__init__(model, compile, layers_per_call, packed=False)
 
     def pack(self, model: LlamaModel) -> list[Any]:
         """Per group: one ``KernelMatrix``, a tuple of them (mixed schemes), or a float matrix."""
         self.block = None
-        matrices: list[Any] = []
-        for group in decode_modules(model):
-            quantized = [isinstance(layer, QuantizedLinear) for layer in group]
-            if all(quantized) and len({layer.scheme for layer in group}) == 1:
-                matrices.append(kernel_matrix(group))
-            elif any(quantized):
-                matrices.append(tuple(kernel_matrix([layer]) if isinstance(layer, QuantizedLinear)
-                                      else layer.weight.detach() for layer in group))
-            else:
-                matrices.append(torch.cat([layer.weight.detach() for layer in group]))
-        return matrices
+        return pack_quantized(model)
 
     matvec = staticmethod(quantized_matvec)
 
@@ -1672,7 +1738,6 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from functools import partial
 from typing import Any
 
 import torch
@@ -1685,8 +1750,10 @@ from aie_lessons.engine.paged_cache import blocks_for_budget, slot_pool_bytes
 from aie_lessons.engine.paged_runner import PagedModelRunner
 from aie_lessons.engine.preemption import PagedScheduler
 from aie_lessons.engine.scheduler import SchedulerConfig
-from aie_lessons.fast_decode import LayerInputs, layer_weights, pack_weights, rope_one_token
-from aie_lessons.model import AttentionFn, LlamaModel, rms_norm, rope_cos_sin, sdpa_attention
+from aie_lessons.fast_decode import (Compiler, LayerInputs, MatVec, Stored, decode_head, decode_layer, gemv, layer_weights,
+                                     linear, pack_quantized, pack_weights, quantized_matvec, quantized_refusal,
+                                     step_compiler)
+from aie_lessons.model import AttentionFn, LlamaModel, rope_cos_sin, sdpa_attention
 from aie_lessons.output import stop_token_ids
 from aie_lessons.quantize import QuantizedLinear
 
@@ -1768,11 +1835,13 @@ def pad_rows(rows: DecodeRows, bucket: int, scratch: int) -> DecodeRows:
 checks.stage09.check_pad_rows(pad_rows)
 
 # %% [markdown]
-# The batched step is the ladder's step with a batch dimension: the same fused projections and
-# RoPE, each row's keys and values written at its slot, and attention over each row's gathered
-# columns with the padding masked. A product of B rows by a weight matrix is a real matrix
-# product now, so it is `F.linear` (a BLAS or oneDNN call inside the compiled code) rather
-# than the ladder's broadcast-and-sum, which would read the weights once per row. With bf16
+# The batched step is the ladder's step — the very `decode_layer` of section 5, which was
+# written for B rows — with two other arguments: an `attend` that writes each row's keys and
+# values at its slot and attends over each row's gathered columns with the padding masked, and
+# a `matvec` for a batch. A product of B rows by a weight matrix is a real matrix product, so it
+# is `linear` (`F.linear`, a BLAS or oneDNN call inside the compiled code) rather than the
+# ladder's broadcast-and-sum, which would read the weights once per row; a bucket of one row
+# keeps the ladder's `gemv`. With bf16
 # weights the product's inputs are rounded to bf16 and multiplied in bf16, accumulating in fp32:
 # by the CPU's bf16 units where it has them (AMX, or AVX-512 BF16), and then faster than the
 # eager engine, which converts each weight row to fp32 first; by a fallback path whose time grows
@@ -1781,11 +1850,6 @@ checks.stage09.check_pad_rows(pad_rows)
 
 # %%
 # export: engine.compiled_runner
-
-
-def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x (B, K) fp32 times weight (N, K) transposed -> (B, N) fp32, in the weight's dtype."""
-    return F.linear(x.to(weight.dtype), weight).float()
 
 
 def rows_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
@@ -1806,43 +1870,28 @@ def rows_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, vi
     return out.reshape(rows, -1, head_dim)
 
 
-def rows_layer(
-    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rows: DecodeRows, keys: torch.Tensor,
-    values: torch.Tensor, eps: float, qkv: torch.Tensor, o: torch.Tensor, gate_up: torch.Tensor,
-    down: torch.Tensor, input_norm: torch.Tensor, post_norm: torch.Tensor,
-) -> torch.Tensor:
-    """One decoder layer for B rows: x (B, hidden) fp32, cos/sin (B, 1, D); keys/values are this
-    layer's pool flattened to (slots, Hkv, D), written at ``rows.slots`` in place.
-
-    Unlike the ladder's step, nothing is returned only to be stored (``Stored``): the inputs of
-    ``F.linear`` are always materialised, so there is no recomputation to prevent.
-    """
-    batch, head_dim, num_kv_heads = x.shape[0], cos.shape[-1], keys.shape[1]
-    kv_size = num_kv_heads * head_dim
-    projected = linear(rms_norm(x, input_norm, eps), qkv)
-    q, k, v = projected.split([projected.shape[1] - 2 * kv_size, kv_size, kv_size], dim=1)
-    q = rope_one_token(q.reshape(batch, -1, head_dim), cos, sin)  # (B, Hq, D)
-    k = rope_one_token(k.reshape(batch, num_kv_heads, head_dim), cos, sin)
+def pool_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                   rows: DecodeRows) -> torch.Tensor:
+    """``Attend`` for the engine's rows over the paged pool, keys/values flattened to (slots,
+    Hkv, D): each row's k and v written at its slot, in place, then each row's query against its
+    gathered columns."""
     keys.index_copy_(0, rows.slots, k.to(keys.dtype))
-    values.index_copy_(0, rows.slots, v.reshape(batch, num_kv_heads, head_dim).to(values.dtype))
-    attended = rows_attention(q, keys[rows.columns], values[rows.columns], rows.visible)
-    x = x + linear(attended.reshape(batch, -1), o)
-    gate, up = linear(rms_norm(x, post_norm, eps), gate_up).chunk(2, dim=-1)
-    return x + linear(F.silu(gate) * up, down)
+    values.index_copy_(0, rows.slots, v.to(values.dtype))
+    return rows_attention(q, keys[rows.columns], values[rows.columns], rows.visible)
 
 
 def rows_layers(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rows: DecodeRows, eps: float,
-                layers: list[LayerInputs]) -> torch.Tensor:
-    """``rows_layer`` over a few layers in one compiled call, as the ladder's rung 7; each layer's
-    inputs are (keys, values, weights), the keys and values its flattened pool."""
+                matvec: MatVec, layers: list[LayerInputs]) -> tuple[torch.Tensor, Stored]:
+    """The ladder's ``decode_layer`` over a few layers in one compiled call, for B rows: x (B,
+    hidden) fp32 after them, and ``Stored`` (which ``gemv``, the one-row bucket's product,
+    needs; ``F.linear`` materialises its inputs anyway). cos/sin (B, 1, D); each layer's inputs
+    are (keys, values, weights), the keys and values its flattened pool."""
+    stored: Stored = ()
     for keys, values, weights in layers:
-        x = rows_layer(x, cos, sin, rows, keys, values, eps, *weights)
-    return x
-
-
-def rows_head(x: torch.Tensor, norm: torch.Tensor, eps: float, head: torch.Tensor) -> torch.Tensor:
-    """Final norm and output head: logits (B, vocab) fp32, for the sampler."""
-    return linear(rms_norm(x, norm, eps), head)
+        x, more = decode_layer(x, cos, sin, eps, keys.shape[1], matvec, pool_attention, (keys, values, rows),
+                               *weights)
+        stored += more
+    return x, stored
 
 
 # %% [markdown]
@@ -1867,16 +1916,19 @@ class CompiledPagedRunner(PagedModelRunner):
     Steps with a prompt chunk of more than one token — and steps of more rows than the largest
     bucket — run the eager model (stage 07's ``run``, reading the cache by gathering, also on a
     GPU). Each bucket compiles on first use, or in ``warm_up``. ``compile=False`` runs the same
-    step eagerly (to compare). Weights fp32 or bf16, activations fp32; the weights are copied
-    into one packed block, so the model is not changed — in ``arithmetic``, the dtype the
-    products are computed in (default: the weights'; fp32 for bf16 weights on a CPU whose bf16
-    products are slow, at twice the bytes). Like ``FastDecoder``, a compiling runner raises
-    dynamo's process-wide ``recompile_limit`` to at least 64.
+    step eagerly (to compare). The layer is the ladder's ``decode_layer``: a bucket of one row
+    multiplies as the batch-1 decoder does (``gemv``, converting each weight as it is read), a
+    larger one by ``linear``. Activations fp32; weights fp32 or bf16, copied into one packed
+    block, so the model is not changed — in ``arithmetic``, the dtype the batched products are
+    computed in (default: the weights'; fp32 for bf16 weights on a CPU whose bf16 products are
+    slow, at twice the bytes) — or stage 08's int8 / int4 weights, read by PyTorch's CPU
+    kernels as ``QuantizedFastDecoder`` reads them. ``compile`` is ``FastDecoder``'s option:
+    ``torch.compile``, False, or another compiler (``step_compiler``).
     """
 
     def __init__(self, model: LlamaModel, num_blocks: int, block_size: int = 16,
                  attention: AttentionFn = sdpa_attention, kv_dtype: torch.dtype | None = None,
-                 prefix_caching: bool = True, compile: bool = True,
+                 prefix_caching: bool = True, compile: bool | Compiler = True,
                  layers_per_call: int = 5, buckets: tuple[int, ...] = BATCH_BUCKETS,
                  arithmetic: torch.dtype | None = None):
         refusal = compiled_step_refusal(model)
@@ -1895,7 +1947,11 @@ class CompiledPagedRunner(PagedModelRunner):
         self.allocator = PagedAllocator(num_blocks, block_size, prefix_caching)
         self.scratch_slot = num_blocks * block_size
         self.buckets = tuple(sorted(set(buckets)))
-        self.block, matrices = pack_weights(model, arithmetic)
+        self.quantized = any(isinstance(m, QuantizedLinear) for m in model.modules())
+        if self.quantized:
+            self.block, matrices = None, pack_quantized(model)
+        else:
+            self.block, matrices = pack_weights(model, arithmetic)
         pools = [(self.cache.keys[i].flatten(0, 1), self.cache.values[i].flatten(0, 1)) for i in range(len(model.layers))]
         for pool in (p for pair in pools for p in pair):
             torch._dynamo.mark_dynamic(pool, 0)  # one compiled version for any KV budget
@@ -1904,14 +1960,10 @@ class CompiledPagedRunner(PagedModelRunner):
         self.calls = [layers[i:i + layers_per_call] for i in range(0, len(layers), layers_per_call)]
         self.head, self.final_norm = matrices[-1], model.norm.weight.detach().float()
         self.embed = model.embed_tokens.weight.detach()
-        if compile:
-            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-            # dynamic=False: each bucket is its own specialised version; only the axes marked
-            # dynamic (positions, pool slots) stay symbols.
-            compiled = partial(torch.compile, dynamic=False, options={"size_asserts": False})
-            self.rows_layers, self.rows_head = compiled(rows_layers), compiled(rows_head)
-        else:
-            self.rows_layers, self.rows_head = rows_layers, rows_head
+        # dynamic=False: each bucket is its own specialised version; only the axes marked
+        # dynamic (positions, pool slots) stay symbols.
+        compiler = step_compiler(compile, dynamic=False)
+        self.rows_layers, self.rows_head = compiler(rows_layers), compiler(decode_head)
 
     def run(self, batch: PagedBatch) -> torch.Tensor:
         """Logits (K, vocab), fp32: compiled when every chunk is one token, eager otherwise."""
@@ -1934,9 +1986,19 @@ class CompiledPagedRunner(PagedModelRunner):
         cos, sin = (t[0, :, None] for t in rope_cos_sin(rows.positions[None], self.config.head_dim,
                                                            self.config.rope_theta))  # (B, 1, D)
         x = self.embed[rows.ids].float()
+        matvec = self.matvec(len(rows.ids))
         for layers in self.calls:
-            x = self.rows_layers(x, cos, sin, rows, self.config.rms_norm_eps, layers)
-        return self.rows_head(x, self.final_norm, self.config.rms_norm_eps, self.head)
+            x, _ = self.rows_layers(x, cos, sin, rows, self.config.rms_norm_eps, matvec, layers)
+        logits, _ = self.rows_head(x, self.final_norm, self.config.rms_norm_eps, self.head, matvec, False)
+        return logits
+
+    def matvec(self, bucket: int) -> MatVec:
+        """The product a bucket's step multiplies with: the kernels' for quantized weights;
+        else, for one row, the batch-1 decoder's ``gemv`` (which reads each weight once and
+        converts it as it goes, whatever the CPU's bf16 support), and ``linear`` for more."""
+        if self.quantized:
+            return quantized_matvec
+        return gemv if bucket == 1 else linear
 
     @torch.no_grad()
     def warm_up(self, max_rows: int | None = None) -> None:
@@ -1951,14 +2013,14 @@ class CompiledPagedRunner(PagedModelRunner):
 
 
 def compiled_step_refusal(model: LlamaModel) -> str | None:
-    """Why the compiled step cannot run ``model``, or None: it multiplies fp32 or bf16 weights
-    with fp32 activations."""
+    """Why the compiled step cannot run ``model``, or None: it multiplies fp32 or bf16 weights,
+    or stage 08's int8 / int4 ones that PyTorch's CPU kernels read, with fp32 activations."""
     if model.activations != torch.float32:
         return (f"the compiled step computes in fp32, but this model's activations are {model.activations}. "
                 "Fix: load the model with activations=torch.float32 (the default)")
-    if any(isinstance(m, QuantizedLinear) for m in model.modules()):
-        return ("the compiled step multiplies float weights, and this model has stage 08's quantized layers. "
-                "Fix: run it in the eager engine (paged_engine), or at batch 1 with QuantizedFastDecoder")
+    refusal = quantized_refusal(model)
+    if refusal:
+        return f"the compiled step cannot read this model's quantized weights: {refusal}"
     dtype = model.embed_tokens.weight.dtype
     if dtype not in (torch.float32, torch.bfloat16):
         return f"the compiled step takes fp32 or bf16 weights, got {dtype}. Fix: load the model in one of them"
@@ -1970,7 +2032,7 @@ def compiled_engine(model: LlamaModel, tokenizer: Tokenizer, max_seqs: int = Sch
                     kv_bytes: int | None = None, block_size: int = 16, prefix_caching: bool = True,
                     aging_rate: float = 1.0, attention: AttentionFn = sdpa_attention,
                     kv_dtype: torch.dtype | None = None,
-                    clock: Callable[[], float] = time.perf_counter, compile: bool = True,
+                    clock: Callable[[], float] = time.perf_counter, compile: bool | Compiler = True,
                     buckets: tuple[int, ...] = BATCH_BUCKETS, stats_capacity: int = 10_000,
                     arithmetic: torch.dtype | None = None) -> Engine:
     """Stage 07's ``paged_engine`` with a ``CompiledPagedRunner``: the same arguments, scheduler,
@@ -2196,13 +2258,16 @@ print("compiled bf16 agrees with eager bf16 on at least 90% of the steps' next t
 #   `max_seqs` itself; refused, with the reason, where it cannot run;
 # * `"auto"` (the default): compiled where it can run, eager where not — and the engine says why.
 #
-# The compiled step needs fp32 or bf16 weights with fp32 activations (not stage 08's quantized
-# layers) and a compiler for the device: a C++ compiler for a CPU, Triton for a GPU. Compiling
-# costs time once (each bucket, or loading inductor's cache of it), so `aie serve`, which runs
-# for hours, takes `"auto"` and compiles every bucket (`compile_buckets`) before it says it is
-# ready (the compiled step also keeps a second, packed copy of the weights: as many bytes again
-# as the model's), while
-# `aie generate`, a few prompts and done, runs eager unless `--step` says otherwise.
+# The compiled step needs fp32 activations, weights in fp32, bf16 or stage 08's int8 / int4
+# (read by the CPU kernels of rung 8), and a compiler for the device: a C++ compiler for a CPU,
+# Triton for a GPU. Compiling costs time once (each bucket, or loading inductor's cache of it),
+# so `aie serve`, which runs for hours, takes `"auto"` and compiles every bucket
+# (`compile_buckets`) before it says it is ready (the compiled step also keeps a second, packed
+# copy of the weights: as many bytes again as the model's). `aie generate` runs one prompt
+# through the same engine, with the one bucket of one row compiled *ahead of time* — exported
+# once into a library that a later process loads in a fraction of a second
+# (`infra/ahead_of_time.py`, given to the runner as its compiler) — and several prompts eager
+# unless `--step` says otherwise.
 #
 # With bf16 weights the compiled step multiplies in bf16 — fast with bf16 instructions, a
 # fallback path many times slower than fp32 without them (section 1 measured this CPU's). So
@@ -2228,6 +2293,7 @@ from aie_lessons.ceilings import products_seconds
 from aie_lessons.engine.compiled_runner import (BATCH_BUCKETS, CompiledPagedRunner, compiled_engine,
                                                 compiled_step_refusal)
 from aie_lessons.engine.engine import Engine
+from aie_lessons.fast_decode import Compiler
 from aie_lessons.engine.paged_engine import paged_engine
 from aie_lessons.engine.scheduler import SchedulerConfig
 from aie_lessons.model import LlamaModel
@@ -2320,11 +2386,12 @@ def choose_step(model: LlamaModel, step: str) -> tuple[str, str | None]:
 
 def build_engine(model: LlamaModel, tokenizer: Tokenizer, config: EngineConfig = EngineConfig(),
                  clock: Callable[[], float] = time.perf_counter,
-                 on_note: Callable[[str], None] | None = None) -> Engine:
+                 on_note: Callable[[str], None] | None = None, compiler: Compiler | None = None) -> Engine:
     """The engine ``config`` describes, over a paged cache: stage 07's ``paged_engine`` or this
-    stage's ``compiled_engine``. When "auto" falls back to eager, ``on_note`` hears why (default:
-    a warning). The compiled step compiles each bucket on first use: ``compile_buckets`` does it
-    before any request waits for it."""
+    stage's ``compiled_engine``, whose step ``compiler`` compiles (default ``torch.compile``; the
+    command line passes its ``AheadOfTime``). When "auto" falls back to eager, ``on_note`` hears
+    why (default: a warning). The compiled step compiles each bucket on first use:
+    ``compile_buckets`` does it before any request waits for it."""
     def tell(note: str) -> None:
         if on_note is None:
             warnings.warn(note, stacklevel=3)
@@ -2339,7 +2406,7 @@ def build_engine(model: LlamaModel, tokenizer: Tokenizer, config: EngineConfig =
                     aging_rate=config.aging_rate, kv_dtype=config.kv_dtype, clock=clock,
                     stats_capacity=config.stats_capacity)
     if step == "compiled":
-        return compiled_engine(model, tokenizer, buckets=config.buckets,
+        return compiled_engine(model, tokenizer, buckets=config.buckets, compile=compiler or True,
                                arithmetic=choose_arithmetic(model, config, tell), **settings)
     return paged_engine(model, tokenizer, **settings)
 
@@ -2361,8 +2428,10 @@ def bf16_product_cost(model: LlamaModel, rows: int) -> float:
 def choose_arithmetic(model: LlamaModel, config: EngineConfig, tell: Callable[[str], None]) -> torch.dtype | None:
     """The dtype the compiled step multiplies in: None (the weights' own) unless the weights are
     bf16 and ``config.arithmetic`` is "float32", or "auto" and bf16 products are slow here —
-    then fp32, and ``tell`` hears why (the packed weights take twice the bytes)."""
-    if model.embed_tokens.weight.dtype != torch.bfloat16 or config.arithmetic == "bf16":
+    then fp32, and ``tell`` hears why (the packed weights take twice the bytes). An engine of
+    one request at a time has only the bucket of one row, whose ``gemv`` converts each bf16
+    weight as it reads it on any CPU: nothing to measure, no second copy in fp32."""
+    if model.embed_tokens.weight.dtype != torch.bfloat16 or config.arithmetic == "bf16" or config.max_seqs == 1:
         return None
     if config.arithmetic == "float32":
         return torch.float32

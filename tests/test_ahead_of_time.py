@@ -1,5 +1,6 @@
-"""Stage 09's decode step compiled ahead of time: the same logits as the eager step, loaded by a
-later decoder instead of compiled again, and a failure that says why and leaves nothing behind."""
+"""Stage 09's steps compiled ahead of time (the batch-1 decoder's and the engine's): the same
+logits and tokens as the eager step, loaded by a later compiler instead of compiled again, and a
+failure that says why and leaves nothing behind."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import pytest
 import torch
 
 from aie_lessons.fast_decode import FastDecoder, KernelMatrix, QuantizedFastDecoder
-from aie_lessons.infra.ahead_of_time import CompileFailed, compile_ahead, leaves, rebuild, structure
+from aie_lessons.infra.ahead_of_time import AheadOfTime, CompileFailed, leaves, rebuild, structure
 from aie_lessons.model import LlamaModel
 from aie_lessons.quantize import SCHEMES, quantize_model
 from aie_lessons.sampling import SamplingParams
@@ -27,9 +28,27 @@ def test_leaves_and_rebuild_take_nested_weights_apart_and_back():
     assert structure([torch.zeros(2, 3)]) != structure([torch.zeros(2, 3, dtype=torch.bfloat16)])
 
 
-def test_a_decoder_compiled_by_torch_compile_is_refused(tiny_dir):
-    with pytest.raises(ValueError, match="compile=False, and not given to compile_ahead before"):
-        compile_ahead(FastDecoder(LlamaModel.from_pretrained(tiny_dir)), greedy=True)
+def test_structure_names_functions_and_leaves_dynamic_sizes_open():
+    """Two calls that differ only in a size marked dynamic share a package; a function is named,
+    never written as its address (which differs from one process to the next)."""
+    a, b = torch.zeros(3, 8), torch.zeros(3, 9)
+    assert structure(a) != structure(b)
+    for tensor in (a, b):
+        torch._dynamo.mark_dynamic(tensor, 1)
+    assert structure(a) == structure(b) == "torch.float32(3,?)@cpu"
+    assert structure((len, 1e-5)) == "(builtins.len,1e-05)"
+
+
+def test_the_step_remembers_a_bounded_number_of_argument_lists():
+    """The flat inputs of a list argument are remembered (a step's layers are passed at every
+    call), but only for the latest MEMO lists, and a list is known by identity."""
+    from aie_lessons.infra.ahead_of_time import MEMO, AheadOfTime
+
+    step = AheadOfTime()(lambda x, layers: x)
+    lists = [[torch.zeros(2)] for _ in range(MEMO + 5)]
+    for layers in lists:
+        assert step._flat(layers)[0][0] is layers[0]
+    assert len(step.memo) == MEMO and all(entry[0] is lists[-1 - i] for i, entry in enumerate(reversed(step.memo.values())))
 
 
 def test_a_package_that_does_not_load_is_compiled_again(tmp_path, monkeypatch):
@@ -53,31 +72,59 @@ def test_a_package_that_does_not_load_is_compiled_again(tmp_path, monkeypatch):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_compiled_ahead_the_step_gives_the_eager_logits(tiny_untied_dir, dtype):
-    """Logits at every step against the same decoder run eagerly, with fp32 and bf16 weights; a
-    head compiled for logits refuses to be asked for tokens, naming the fix. The packages go to the folder the CLI's
-    tests use (tests/test_cli.py follows one from compiling to loading in a fresh folder)."""
+def test_compiled_ahead_the_step_gives_the_eager_logits(tiny_untied_dir, dtype, tmp_path):
+    """Logits at every step against the same decoder run eagerly, with fp32 and bf16 weights; the
+    greedy head (a package of its own) gives the eager tokens; a second compiler, as a later
+    process would, loads every package instead of compiling it."""
     model = LlamaModel.from_pretrained(tiny_untied_dir, dtype=dtype)  # bf16 weights, fp32 activations
-    eager = FastDecoder(model, compile=False).forced_logits(IDS[:5], IDS[5:])
-    decoder = FastDecoder(model, compile=False)
-    compile_ahead(decoder, greedy=False)
-    assert (decoder.forced_logits(IDS[:5], IDS[5:]) - eager).abs().max().item() <= 1e-4
+    eager = FastDecoder(model, compile=False)
+    expected = eager.forced_logits(IDS[:5], IDS[5:])
+    compiler = AheadOfTime(tmp_path)
+    decoder = FastDecoder(model, compile=compiler)
+    assert (decoder.forced_logits(IDS[:5], IDS[5:]) - expected).abs().max().item() <= 1e-4
     # A one-token prompt: its first step (position 1) is outside the sizes export kept, so it
     # runs eagerly, and the next ones compiled; the logits are the eager decoder's all the same.
-    short = FastDecoder(model, compile=False).forced_logits(IDS[:1], IDS[1:6])
+    short = eager.forced_logits(IDS[:1], IDS[1:6])
     assert (decoder.forced_logits(IDS[:1], IDS[1:6]) - short).abs().max().item() <= 1e-4
-    with pytest.raises(ValueError, match=r"compile_ahead\(decoder, greedy=True\)"):
-        list(decoder.tokens(IDS[:5], SamplingParams(max_new_tokens=3)))
+    greedy = SamplingParams(max_new_tokens=6, ignore_eos=True)
+    assert list(decoder.tokens(IDS[:5], greedy)) == list(eager.tokens(IDS[:5], greedy))
+    assert compiler.compiled == 3  # the layers (both calls share one structure), the head twice
+    later = AheadOfTime(tmp_path)
+    assert list(FastDecoder(model, compile=later).tokens(IDS[:5], greedy)) == list(eager.tokens(IDS[:5], greedy))
+    assert later.compiled == 0 and len(later.packages) == 2
 
 
 @pytest.mark.slow
-def test_quantized_weights_compile_ahead_through_the_kernels(tiny_dir):
+def test_quantized_weights_compile_ahead_through_the_kernels(tiny_dir, tmp_path):
     """int4-g32 integers and their scales travel as inputs; the scheme is compiled in."""
     model = quantize_model(LlamaModel.from_pretrained(tiny_dir), "int4-g32")
     eager = QuantizedFastDecoder(model, compile=False).forced_logits(IDS[:5], IDS[5:])
-    decoder = QuantizedFastDecoder(model, compile=False)
-    compile_ahead(decoder, greedy=False)
+    decoder = QuantizedFastDecoder(model, compile=AheadOfTime(tmp_path))
     assert (decoder.forced_logits(IDS[:5], IDS[5:]) - eager).abs().max().item() <= 1e-4
+
+
+@pytest.mark.slow
+def test_the_engines_step_compiled_ahead_keeps_the_eager_engines_tokens(tiny_untied_dir, tmp_path):
+    """The engine's batched step over the paged pool, compiled ahead for each bucket: the greedy
+    tokens of the eager engine, as requests finish and the batch moves between buckets."""
+    from aie_lessons.engine.compiled_runner import compiled_engine
+    from aie_lessons.engine.paged_engine import paged_engine
+    from aie_lessons.kv_cache import kv_cache_bytes
+    from aie_lessons.tokenizer import Tokenizer
+
+    model = LlamaModel.from_pretrained(tiny_untied_dir)
+    tokenizer = Tokenizer.from_pretrained(tiny_untied_dir)
+    settings = dict(max_seqs=4, token_budget=16, kv_bytes=kv_cache_bytes(model.config, 64, 4, torch.float32),
+                    block_size=4)
+    prompts = ["hello world", "the quick brown fox jumps over", "a", "over the lazy dog"]
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (14, 6, 9, 11)]
+    expected = paged_engine(model, tokenizer, decode="gather", **settings).generate(prompts, params)
+    compiler = AheadOfTime(tmp_path)
+    engine = compiled_engine(model, tokenizer, compile=compiler, **settings)
+    engine.runner.warm_up()
+    assert engine.runner.buckets == (1, 2, 4) and len(engine.runner.calls) == 1
+    assert compiler.compiled == 6  # per bucket, the layers' call and the head
+    assert [r.token_ids for r in engine.generate(prompts, params)] == [r.token_ids for r in expected]
 
 
 def test_a_compile_that_fails_says_why_and_leaves_no_file(tiny_dir, tmp_path, monkeypatch):
@@ -89,12 +136,12 @@ def test_a_compile_that_fails_says_why_and_leaves_no_file(tiny_dir, tmp_path, mo
         raise RuntimeError("the C++ compiler exited with status 1")
 
     monkeypatch.setattr(torch._inductor, "aoti_compile_and_package", half_written)
-    decoder = FastDecoder(LlamaModel.from_pretrained(tiny_dir), compile=False)
     told = []
+    decoder = FastDecoder(LlamaModel.from_pretrained(tiny_dir), compile=AheadOfTime(tmp_path, lambda: told.append(1)))
     with pytest.raises(CompileFailed, match=r"^RuntimeError: the C\+\+ compiler exited with status 1 \(the whole "
                                             r"error: .*failure\.log\)$"):
-        compile_ahead(decoder, greedy=True, folder=tmp_path, on_compile=lambda: told.append(True))
-    assert told == [True] and [p.name for p in tmp_path.iterdir()] == ["failure.log"]
+        decoder.warm_up()
+    assert told == [1] and [p.name for p in tmp_path.iterdir()] == ["failure.log"]
     assert "half_written" in (tmp_path / "failure.log").read_text()  # the traceback, for whoever digs
 
 
@@ -109,7 +156,6 @@ def test_real_model_compiled_ahead_gives_the_eager_steps_logits(real_model_dir):
     eager = FastDecoder(model, compile=False)
     answer = list(eager.tokens(prompt, SamplingParams(max_new_tokens=16)))
     expected = eager.forced_logits(prompt, answer)
-    decoder = FastDecoder(model, compile=False)
-    compile_ahead(decoder, greedy=False)
+    decoder = FastDecoder(model, compile=AheadOfTime())
     error = (decoder.forced_logits(prompt, answer) - expected).abs().max().item()
     assert error <= 1e-4 * expected.abs().max().item(), error

@@ -42,8 +42,9 @@ def test_generate_json_has_ids_text_and_timings(tiny_dir):
     out = run("generate", "hello", "--model", str(tiny_dir), "--max-new-tokens", "5", "--json")
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout)
-    assert set(result) == {"prompt_ids", "token_ids", "text", "finish_reason", "seed", "loop", "timings"}
-    assert result["loop"] == "compiled"  # the default for one prompt
+    assert set(result) == {"prompt_ids", "token_ids", "text", "finish_reason", "seed", "loop", "step", "timings"}
+    assert result["loop"] == "engine"  # the default for one prompt too
+    assert result["step"] == ("compiled" if cache.cpp_compiler() else "eager")
     assert result["seed"] is None  # greedy: nothing was drawn
     assert result["prompt_ids"] and len(result["token_ids"]) <= 5
     assert {"first_token_s", "total_s", "decode_tokens_per_s"} <= set(result["timings"])
@@ -92,31 +93,42 @@ def ran_the_compiled_decoder(stderr: str) -> bool:
     return "compiling the decoder" in stderr or "loaded the compiled decoder" in stderr
 
 
+def ran_the_compiled_step(stderr: str) -> bool:
+    """The CLI said it compiled the engine's step, or loaded it compiled before, and ran it."""
+    said = "compiling the engine's step" in stderr or "loaded the engine's compiled step" in stderr
+    return said and "compiled step)" in stderr
+
+
 @pytest.mark.oracle
 def test_chat_answer_about_france(real_model_dir):
-    """The default: stage 09's decoder, compiled ahead of time (or loaded, compiled before)."""
+    """The default: the engine, its step compiled ahead of time (or loaded, compiled before)."""
     out = run("generate", "--chat", "What is the capital of France?", "--max-new-tokens", "32",
               "--model", str(real_model_dir))
     assert out.returncode == 0, out.stderr
     assert "Paris" in out.stdout
-    assert ran_the_compiled_decoder(out.stderr), out.stderr
+    assert ran_the_compiled_step(out.stderr), out.stderr
 
 
-def test_the_four_loops_agree(tiny_untied_dir, monkeypatch):
+def test_the_five_loops_agree(tiny_untied_dir, monkeypatch):
     """The same tokens and text from every loop, all run with one thread (the tests of each loop
-    on the real model run with every core). The default for one prompt is the compiled decoder;
-    sampled, it draws the cached loop's tokens from the same seed."""
+    on the real model run with every core). The default for one prompt is the engine, its step
+    compiled; the lessons' loops are its oracles. Sampled, it draws the cached loop's tokens from
+    the same seed."""
+    if cache.cpp_compiler() is None:
+        pytest.skip("no C++ compiler: the compiled step and decoder cannot run here")
     args = ("generate", "The quick", "--model", str(tiny_untied_dir), "--max-new-tokens", "10", "--json")
-    loops = ("skeleton", "cached", "engine")
-    compiled, *others = run_json_side_by_side(monkeypatch, args, *((*args, "--loop", loop) for loop in loops))
-    assert [r["loop"] for r in (compiled, *others)] == ["compiled", *loops]  # none fell back
-    assert len(set(compiled["token_ids"])) > 3, "the model must produce varied tokens for this to mean anything"
-    for loop, result in zip(loops, others):
-        assert (result["token_ids"], result["text"]) == (compiled["token_ids"], compiled["text"]), loop
+    loops = ("skeleton", "cached", "compiled")
+    engine, eager, *others = run_json_side_by_side(monkeypatch, args, (*args, "--step", "eager"),
+                                                   *((*args, "--loop", loop) for loop in loops))
+    assert [r["loop"] for r in (engine, eager, *others)] == ["engine", "engine", *loops]  # none fell back
+    assert (engine["step"], eager["step"]) == ("compiled", "eager")
+    assert len(set(engine["token_ids"])) > 3, "the model must produce varied tokens for this to mean anything"
+    for loop, result in zip(("eager step", *loops), (eager, *others)):
+        assert (result["token_ids"], result["text"]) == (engine["token_ids"], engine["text"]), loop
     sampled = (*args, "--temperature", "1.5", "--top-p", "0.95", "--seed", "5")
-    compiled, cached = run_json_side_by_side(monkeypatch, sampled, (*sampled, "--loop", "cached"))
-    assert (compiled["loop"], cached["loop"]) == ("compiled", "cached")
-    assert compiled["token_ids"] == cached["token_ids"] and compiled["token_ids"] != others[1]["token_ids"]
+    engine, cached = run_json_side_by_side(monkeypatch, sampled, (*sampled, "--loop", "cached"))
+    assert (engine["loop"], cached["loop"]) == ("engine", "cached")
+    assert engine["token_ids"] == cached["token_ids"] and engine["token_ids"] != others[1]["token_ids"]
 
 
 def test_sampling_flags_sample_reproducibly(tiny_untied_dir, monkeypatch):
@@ -225,32 +237,35 @@ def test_the_compiled_loop_compiles_once_into_data_cache_then_loads(tiny_dir, tm
     assert json.loads(first.stdout)["token_ids"] == json.loads(second.stdout)["token_ids"] == cached["token_ids"]
 
 
-def test_a_compiler_that_fails_leaves_the_cached_loop(tiny_dir, tmp_path, monkeypatch):
+def test_a_compiler_that_fails_leaves_the_eager_step(tiny_dir, tmp_path, monkeypatch):
     """A compiler that exists but cannot build (here `true`, which writes nothing): the default
-    falls back with a one-line note; an explicit --loop compiled is refused, without a traceback."""
+    falls back to the engine's eager step with a one-line note; an explicit --step compiled or
+    --loop compiled is refused, without a traceback."""
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "empty"))  # nothing to load: it must compile
     monkeypatch.setenv("CXX", "true")
     args = ("generate", "The quick", "--model", str(tiny_dir), "--max-new-tokens", "4", "--json")
     fallback = run(*args)
-    assert fallback.returncode == 0 and "the compiled decoder cannot run here, so the cached loop runs" in fallback.stderr
+    assert fallback.returncode == 0 and "the compiled step cannot be built here, so the eager step runs" in \
+        fallback.stderr, fallback.stderr
     assert "Traceback" not in fallback.stderr and "TORCHDYNAMO_VERBOSE" not in fallback.stderr, fallback.stderr
-    assert len(json.loads(fallback.stdout)["token_ids"]) > 0 and json.loads(fallback.stdout)["loop"] == "cached"
-    refused = run(*args, "--loop", "compiled")
-    assert refused.returncode == 2 and "--loop compiled:" in refused.stderr and "Traceback" not in refused.stderr
+    result = json.loads(fallback.stdout)
+    assert len(result["token_ids"]) > 0 and (result["loop"], result["step"]) == ("engine", "eager")
+    for flag, value in (("--step", "compiled"), ("--loop", "compiled")):
+        refused = run(*args, flag, value)
+        assert refused.returncode == 2 and f"{flag} compiled:" in refused.stderr, refused.stderr
+        assert "Traceback" not in refused.stderr
     assert not list((tmp_path / "empty").glob("aot/*.pt2")), "a failed compile left a package behind"
     assert (tmp_path / "empty" / "aot" / "failure.log").exists(), "the whole error is kept for whoever digs"
 
 
-def test_without_a_cpp_compiler_the_compiled_loop_is_refused_and_the_default_says_why(tiny_dir, monkeypatch, capsys):
-    from aie_lessons.cli import _loop, build_parser
-    from aie_lessons.infra import compile_cache
-
+def test_without_a_cpp_compiler_the_compiled_loop_is_refused_and_the_default_says_why(tiny_dir, monkeypatch):
     monkeypatch.setenv("CXX", "/nowhere/g++")
-    refused = run("generate", "The quick", "--model", str(tiny_dir), "--max-new-tokens", "4", "--loop", "compiled")
+    args = ("generate", "The quick", "--model", str(tiny_dir), "--max-new-tokens", "4")
+    refused = run(*args, "--loop", "compiled")
     assert refused.returncode == 2 and "needs a C++ compiler" in refused.stderr and "Traceback" not in refused.stderr
-    monkeypatch.setattr(compile_cache, "cpp_compiler", lambda: None)
-    assert _loop(build_parser().parse_args(["generate", "x"]), 1) == "cached"
-    assert "no C++ compiler, so the eager cached loop runs" in capsys.readouterr().err
+    default = run(*args)
+    assert default.returncode == 0 and "the eager step runs, because compiling for the CPU needs a C++ compiler" \
+        in default.stderr, default.stderr
 
 
 def test_quantized_weights_run_through_the_compiled_decoder(tiny_dir, tmp_path):
@@ -265,22 +280,40 @@ def test_quantized_weights_run_through_the_compiled_decoder(tiny_dir, tmp_path):
     assert len(json.loads(compiled.stdout)["token_ids"]) == 6
 
 
-@pytest.mark.parametrize("flags, loop", [((), "compiled"), (("--quant", "int8"), "compiled"),
-                                         (("--max-new-tokens", "1"), "cached"),
-                                         (("--quant", "int4-g192"), "cached"),
-                                         (("--activations", "bfloat16"), "cached"),
-                                         (("--device", "cuda"), "cached"),
-                                         (("x",), "engine")])
-def test_the_default_loop_is_the_fastest_that_can_run(flags, loop, monkeypatch):
-    """The compiled decoder wherever it can run and has a step to run: not for int4-g192 (no
-    kernel), bf16 activations (the compiled step computes in fp32), a GPU (compiled for the CPU)
-    or one new token (the prefill's alone); several prompts: the engine."""
-    from aie_lessons.cli import _loop, build_parser
-    from aie_lessons.infra import compile_cache
+@pytest.mark.parametrize("argv, loop, step", [
+    (("a prompt",), "engine", "auto"),
+    (("a prompt", "--quant", "int8"), "engine", "auto"),  # the kernels read int8 inside the compiled step
+    (("a prompt", "--max-new-tokens", "1"), "engine", "eager"),  # the prefill alone: nothing to compile
+    (("x", "y"), "engine", "eager"),  # several prompts would not pay back a step compiled per batch size
+    (("x", "y", "--step", "auto"), "engine", "auto"),
+    (("a prompt", "--loop", "cached"), "cached", None),
+])
+def test_the_default_is_the_engine_compiled_for_one_prompt(argv, loop, step):
+    """One prompt or many, the engine runs; for one prompt its step is compiled where it can run
+    ("auto": build_engine falls back to eager, saying why, where it cannot)."""
+    from aie_lessons.cli import _engine_step, _loop, build_parser
 
-    monkeypatch.setattr(compile_cache, "cpp_compiler", lambda: "g++")  # whatever this machine has
-    args = build_parser().parse_args(["generate", "a prompt", *flags])
-    assert _loop(args, len(args.prompts)) == loop
+    args = build_parser().parse_args(["generate", *argv])
+    count = len(args.prompts)
+    assert _loop(args, count) == loop
+    if step:
+        assert _engine_step(args, count) == step
+
+
+def test_the_engine_compiles_its_step_once_then_loads_it(tiny_dir, tmp_path, monkeypatch):
+    """One prompt, the default: the engine's step for one request is compiled ahead of time on the
+    first run and loaded by the next, whose tokens are stage 04's."""
+    if cache.cpp_compiler() is None:
+        pytest.skip("no C++ compiler: the compiled step cannot run here")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    args = ("generate", "The quick", "--model", str(tiny_dir), "--max-new-tokens", "6", "--json")
+    first, second = run(*args), run(*args)
+    assert first.returncode == 0 and "compiling the engine's step for batches of (1,)" in first.stderr, first.stderr
+    assert second.returncode == 0 and "loaded the engine's compiled step" in second.stderr, second.stderr
+    assert "compiling" not in second.stderr and "Warning" not in first.stderr + second.stderr, second.stderr
+    assert len(list((tmp_path / "inductor" / "aot").glob("*.pt2"))) == 2, "the layers' call and the head"
+    tokens = [json.loads(out.stdout)["token_ids"] for out in (first, second)]
+    assert tokens[0] == tokens[1] == stage04(tiny_dir, ["The quick"], 6)[0].token_ids
 
 
 def test_compiled_loop_with_bf16_activations_is_refused(tiny_dir):
@@ -358,7 +391,7 @@ def test_the_engines_step_compiled_keeps_the_tokens_and_says_so(tiny_untied_dir,
     assert code == 0, err
     assert [json.loads(line)["token_ids"] for line in out.splitlines()] == \
         [e.token_ids for e in stage04(tiny_untied_dir, prompts, 6)]
-    assert "compiling the engine's step for batches of (1, 2)" in err and "compiled step)" in err
+    assert ran_the_compiled_step(err) and ("for batches of (1, 2)" in err or "loaded the" in err), err
 
 
 def test_the_engines_step_compiled_without_a_compiler_is_refused_before_the_model_loads(monkeypatch, capsys):
@@ -438,8 +471,8 @@ PROMPT_ERRORS = [
      "over the paged KV cache, and --kv slots asks for stage 06's slots. Fix: drop --kv slots"),
     (("generate", "x", "y", "--model", "{tiny}", "--step", "compiled", "--activations", "bfloat16"),
      "--step compiled computes in float32. Fix: drop --activations bfloat16"),
-    (("generate", "x", "y", "--model", "{tiny}", "--step", "compiled", "--quant", "int8"),
-     "--step compiled multiplies float weights, not stage 08's quantized ones. Fix: drop --quant"),
+    (("generate", "x", "y", "--model", "{tiny}", "--step", "compiled", "--quant", "int4-g192"),
+     "--step compiled reads quantized weights through PyTorch's int4 kernel, which takes no int4-g192. Fix:"),
     (("generate", "x", "y", "--model", "{tiny}", "--max-new-tokens", "64"), "prompt 1 of 2 ('x'): prompt of 1 tokens"),
     (("generate", "--prompts-file", "{tmp}/nowhere.txt"), "nowhere.txt: No such file or directory. Fix:"),
     (("generate", "--prompts-file", "{tmp}/blank.txt"), "has no prompts (blank lines are skipped). Fix:"),

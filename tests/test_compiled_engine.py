@@ -159,13 +159,13 @@ def test_the_engine_compiles_a_bucket_for_its_most_requests(tiny_untied_dir):
 @pytest.mark.parametrize("how, message", [
     ({"activations": torch.bfloat16}, "activations=torch.float32"),
     ({"dtype": torch.float16}, "fp32 or bf16 weights"),
-    ("quantized", "QuantizedFastDecoder"),
+    ("quantized", "int4 CPU kernel takes groups of"),
 ])
 def test_what_the_step_cannot_run_is_refused(tiny_untied_dir, how, message):
-    if how == "quantized":
-        from aie_lessons.quantize import quantize_model
+    if how == "quantized":  # groups of 16: stage 08 makes them, PyTorch's int4 kernel does not read them
+        from aie_lessons.quantize import QuantScheme, quantize_model
 
-        model = quantize_model(LlamaModel.from_pretrained(tiny_untied_dir), "int8")
+        model = quantize_model(LlamaModel.from_pretrained(tiny_untied_dir), QuantScheme("int4-g16", 4, 16))
     else:
         model = LlamaModel.from_pretrained(tiny_untied_dir, **how)
     with pytest.raises(ValueError, match=message):
@@ -178,3 +178,27 @@ def test_layers_per_call_and_buckets_below_one_are_refused(tiny_untied_dir):
                          ({"buckets": ()}, "buckets")):
         with pytest.raises(ValueError, match=f"{name} must be .*at least 1"):
             CompiledPagedRunner(model, num_blocks=8, compile=False, **kwargs)
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4-g32"])
+@pytest.mark.parametrize("compile", [False, pytest.param(True, marks=pytest.mark.slow)])
+def test_quantized_weights_run_in_the_compiled_step_as_in_the_batch_1_decoder(tiny_untied_dir, scheme, compile,
+                                                                              fresh_dynamo):
+    """The engine's compiled step reads stage 08's integers through the same kernels and the same
+    layer as ``QuantizedFastDecoder``: each request's greedy tokens are the decoder's, alone or
+    four at once (padded to buckets of 1, 2 and 4 as requests finish)."""
+    from aie_lessons.fast_decode import QuantizedFastDecoder
+    from aie_lessons.quantize import quantize_model
+
+    model = quantize_model(LlamaModel.from_pretrained(tiny_untied_dir), scheme)
+    tokenizer = Tokenizer.from_pretrained(tiny_untied_dir)
+    decoder = QuantizedFastDecoder(model, compile=False)
+    prompts = [tokenizer.encode(p) for p in PROMPTS]
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (14, 6, 9, 11)]
+    expected = [list(decoder.tokens(ids, p)) for ids, p in zip(prompts, params)]
+    for max_seqs in (1, 4):
+        engine = compiled_engine(model, tokenizer, max_seqs=max_seqs, kv_bytes=kv_cache_bytes(model.config, 64, 4, torch.float32),
+                                 block_size=BLOCK, compile=compile)
+        assert engine.runner.block is None and engine.runner.quantized
+        results = engine.generate(prompts, params)
+        assert [r.token_ids for r in results] == expected, f"max_seqs={max_seqs}"

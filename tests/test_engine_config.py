@@ -243,3 +243,13 @@ def test_the_measurement_is_a_ratio_and_leaves_the_random_state(tiny_bf16):
     state = torch.random.get_rng_state()
     cost = engine_config.bf16_product_cost(tiny_bf16, 2)
     assert cost > 0 and torch.equal(torch.random.get_rng_state(), state)
+
+
+def test_one_request_at_a_time_keeps_bf16_without_measuring(tiny, tiny_bf16, measured):
+    """max_seqs=1 has only the one-row bucket, whose product converts each bf16 weight as it reads
+    it on any CPU: nothing to measure, and no fp32 copy of the weights."""
+    _, tokenizer = tiny
+    measured(None)
+    engine = build_engine(tiny_bf16, tokenizer, EngineConfig(max_seqs=1, token_budget=16, kv_bytes=2**20,
+                                                             step="compiled"))
+    assert engine.runner.buckets == (1,) and engine.runner.block.dtype == torch.bfloat16

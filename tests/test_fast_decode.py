@@ -261,7 +261,7 @@ def test_every_decode_step_gives_the_eager_models_logits(tiny_untied_dir, compil
         calls = decoder.layer_inputs(cache)
         model(ids[:, :prefill], positions[:, :prefill], AttentionMetadata(cache=cache, cache_start=0))
         for t in range(prefill, n):
-            logits = decoder.step(int(ids[0, t]), t, calls, cos, sin, greedy=False)
+            logits = decoder.step(int(ids[0, t]), t, calls, cos, sin, greedy=False)[0]
             assert logits.shape == expected[t].shape == (model.config.vocab_size,)
             assert (logits - expected[t]).abs().max().item() <= 1e-4, f"position {t}"
 

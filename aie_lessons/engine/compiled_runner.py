@@ -7,7 +7,6 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from functools import partial
 from typing import Any
 
 import torch
@@ -20,8 +19,10 @@ from aie_lessons.engine.paged_cache import blocks_for_budget, slot_pool_bytes
 from aie_lessons.engine.paged_runner import PagedModelRunner
 from aie_lessons.engine.preemption import PagedScheduler
 from aie_lessons.engine.scheduler import SchedulerConfig
-from aie_lessons.fast_decode import LayerInputs, layer_weights, pack_weights, rope_one_token
-from aie_lessons.model import AttentionFn, LlamaModel, rms_norm, rope_cos_sin, sdpa_attention
+from aie_lessons.fast_decode import (Compiler, LayerInputs, MatVec, Stored, decode_head, decode_layer, gemv, layer_weights,
+                                     linear, pack_quantized, pack_weights, quantized_matvec, quantized_refusal,
+                                     step_compiler)
+from aie_lessons.model import AttentionFn, LlamaModel, rope_cos_sin, sdpa_attention
 from aie_lessons.output import stop_token_ids
 from aie_lessons.quantize import QuantizedLinear
 
@@ -75,11 +76,6 @@ def pad_rows(rows: DecodeRows, bucket: int, scratch: int) -> DecodeRows:
                       extend(rows.columns, scratch), visible)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x (B, K) fp32 times weight (N, K) transposed -> (B, N) fp32, in the weight's dtype."""
-    return F.linear(x.to(weight.dtype), weight).float()
-
-
 def rows_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
     """Each row's query heads against its own gathered positions: q (B, Hq, D) fp32, keys/values
     (B, T, Hkv, D), visible (B, T) -> (B, Hq, D) fp32.
@@ -98,43 +94,28 @@ def rows_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, vi
     return out.reshape(rows, -1, head_dim)
 
 
-def rows_layer(
-    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rows: DecodeRows, keys: torch.Tensor,
-    values: torch.Tensor, eps: float, qkv: torch.Tensor, o: torch.Tensor, gate_up: torch.Tensor,
-    down: torch.Tensor, input_norm: torch.Tensor, post_norm: torch.Tensor,
-) -> torch.Tensor:
-    """One decoder layer for B rows: x (B, hidden) fp32, cos/sin (B, 1, D); keys/values are this
-    layer's pool flattened to (slots, Hkv, D), written at ``rows.slots`` in place.
-
-    Unlike the ladder's step, nothing is returned only to be stored (``Stored``): the inputs of
-    ``F.linear`` are always materialised, so there is no recomputation to prevent.
-    """
-    batch, head_dim, num_kv_heads = x.shape[0], cos.shape[-1], keys.shape[1]
-    kv_size = num_kv_heads * head_dim
-    projected = linear(rms_norm(x, input_norm, eps), qkv)
-    q, k, v = projected.split([projected.shape[1] - 2 * kv_size, kv_size, kv_size], dim=1)
-    q = rope_one_token(q.reshape(batch, -1, head_dim), cos, sin)  # (B, Hq, D)
-    k = rope_one_token(k.reshape(batch, num_kv_heads, head_dim), cos, sin)
+def pool_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                   rows: DecodeRows) -> torch.Tensor:
+    """``Attend`` for the engine's rows over the paged pool, keys/values flattened to (slots,
+    Hkv, D): each row's k and v written at its slot, in place, then each row's query against its
+    gathered columns."""
     keys.index_copy_(0, rows.slots, k.to(keys.dtype))
-    values.index_copy_(0, rows.slots, v.reshape(batch, num_kv_heads, head_dim).to(values.dtype))
-    attended = rows_attention(q, keys[rows.columns], values[rows.columns], rows.visible)
-    x = x + linear(attended.reshape(batch, -1), o)
-    gate, up = linear(rms_norm(x, post_norm, eps), gate_up).chunk(2, dim=-1)
-    return x + linear(F.silu(gate) * up, down)
+    values.index_copy_(0, rows.slots, v.to(values.dtype))
+    return rows_attention(q, keys[rows.columns], values[rows.columns], rows.visible)
 
 
 def rows_layers(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rows: DecodeRows, eps: float,
-                layers: list[LayerInputs]) -> torch.Tensor:
-    """``rows_layer`` over a few layers in one compiled call, as the ladder's rung 7; each layer's
-    inputs are (keys, values, weights), the keys and values its flattened pool."""
+                matvec: MatVec, layers: list[LayerInputs]) -> tuple[torch.Tensor, Stored]:
+    """The ladder's ``decode_layer`` over a few layers in one compiled call, for B rows: x (B,
+    hidden) fp32 after them, and ``Stored`` (which ``gemv``, the one-row bucket's product,
+    needs; ``F.linear`` materialises its inputs anyway). cos/sin (B, 1, D); each layer's inputs
+    are (keys, values, weights), the keys and values its flattened pool."""
+    stored: Stored = ()
     for keys, values, weights in layers:
-        x = rows_layer(x, cos, sin, rows, keys, values, eps, *weights)
-    return x
-
-
-def rows_head(x: torch.Tensor, norm: torch.Tensor, eps: float, head: torch.Tensor) -> torch.Tensor:
-    """Final norm and output head: logits (B, vocab) fp32, for the sampler."""
-    return linear(rms_norm(x, norm, eps), head)
+        x, more = decode_layer(x, cos, sin, eps, keys.shape[1], matvec, pool_attention, (keys, values, rows),
+                               *weights)
+        stored += more
+    return x, stored
 
 
 class CompiledPagedRunner(PagedModelRunner):
@@ -143,16 +124,19 @@ class CompiledPagedRunner(PagedModelRunner):
     Steps with a prompt chunk of more than one token — and steps of more rows than the largest
     bucket — run the eager model (stage 07's ``run``, reading the cache by gathering, also on a
     GPU). Each bucket compiles on first use, or in ``warm_up``. ``compile=False`` runs the same
-    step eagerly (to compare). Weights fp32 or bf16, activations fp32; the weights are copied
-    into one packed block, so the model is not changed — in ``arithmetic``, the dtype the
-    products are computed in (default: the weights'; fp32 for bf16 weights on a CPU whose bf16
-    products are slow, at twice the bytes). Like ``FastDecoder``, a compiling runner raises
-    dynamo's process-wide ``recompile_limit`` to at least 64.
+    step eagerly (to compare). The layer is the ladder's ``decode_layer``: a bucket of one row
+    multiplies as the batch-1 decoder does (``gemv``, converting each weight as it is read), a
+    larger one by ``linear``. Activations fp32; weights fp32 or bf16, copied into one packed
+    block, so the model is not changed — in ``arithmetic``, the dtype the batched products are
+    computed in (default: the weights'; fp32 for bf16 weights on a CPU whose bf16 products are
+    slow, at twice the bytes) — or stage 08's int8 / int4 weights, read by PyTorch's CPU
+    kernels as ``QuantizedFastDecoder`` reads them. ``compile`` is ``FastDecoder``'s option:
+    ``torch.compile``, False, or another compiler (``step_compiler``).
     """
 
     def __init__(self, model: LlamaModel, num_blocks: int, block_size: int = 16,
                  attention: AttentionFn = sdpa_attention, kv_dtype: torch.dtype | None = None,
-                 prefix_caching: bool = True, compile: bool = True,
+                 prefix_caching: bool = True, compile: bool | Compiler = True,
                  layers_per_call: int = 5, buckets: tuple[int, ...] = BATCH_BUCKETS,
                  arithmetic: torch.dtype | None = None):
         refusal = compiled_step_refusal(model)
@@ -171,7 +155,11 @@ class CompiledPagedRunner(PagedModelRunner):
         self.allocator = PagedAllocator(num_blocks, block_size, prefix_caching)
         self.scratch_slot = num_blocks * block_size
         self.buckets = tuple(sorted(set(buckets)))
-        self.block, matrices = pack_weights(model, arithmetic)
+        self.quantized = any(isinstance(m, QuantizedLinear) for m in model.modules())
+        if self.quantized:
+            self.block, matrices = None, pack_quantized(model)
+        else:
+            self.block, matrices = pack_weights(model, arithmetic)
         pools = [(self.cache.keys[i].flatten(0, 1), self.cache.values[i].flatten(0, 1)) for i in range(len(model.layers))]
         for pool in (p for pair in pools for p in pair):
             torch._dynamo.mark_dynamic(pool, 0)  # one compiled version for any KV budget
@@ -180,14 +168,10 @@ class CompiledPagedRunner(PagedModelRunner):
         self.calls = [layers[i:i + layers_per_call] for i in range(0, len(layers), layers_per_call)]
         self.head, self.final_norm = matrices[-1], model.norm.weight.detach().float()
         self.embed = model.embed_tokens.weight.detach()
-        if compile:
-            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-            # dynamic=False: each bucket is its own specialised version; only the axes marked
-            # dynamic (positions, pool slots) stay symbols.
-            compiled = partial(torch.compile, dynamic=False, options={"size_asserts": False})
-            self.rows_layers, self.rows_head = compiled(rows_layers), compiled(rows_head)
-        else:
-            self.rows_layers, self.rows_head = rows_layers, rows_head
+        # dynamic=False: each bucket is its own specialised version; only the axes marked
+        # dynamic (positions, pool slots) stay symbols.
+        compiler = step_compiler(compile, dynamic=False)
+        self.rows_layers, self.rows_head = compiler(rows_layers), compiler(decode_head)
 
     def run(self, batch: PagedBatch) -> torch.Tensor:
         """Logits (K, vocab), fp32: compiled when every chunk is one token, eager otherwise."""
@@ -210,9 +194,19 @@ class CompiledPagedRunner(PagedModelRunner):
         cos, sin = (t[0, :, None] for t in rope_cos_sin(rows.positions[None], self.config.head_dim,
                                                            self.config.rope_theta))  # (B, 1, D)
         x = self.embed[rows.ids].float()
+        matvec = self.matvec(len(rows.ids))
         for layers in self.calls:
-            x = self.rows_layers(x, cos, sin, rows, self.config.rms_norm_eps, layers)
-        return self.rows_head(x, self.final_norm, self.config.rms_norm_eps, self.head)
+            x, _ = self.rows_layers(x, cos, sin, rows, self.config.rms_norm_eps, matvec, layers)
+        logits, _ = self.rows_head(x, self.final_norm, self.config.rms_norm_eps, self.head, matvec, False)
+        return logits
+
+    def matvec(self, bucket: int) -> MatVec:
+        """The product a bucket's step multiplies with: the kernels' for quantized weights;
+        else, for one row, the batch-1 decoder's ``gemv`` (which reads each weight once and
+        converts it as it goes, whatever the CPU's bf16 support), and ``linear`` for more."""
+        if self.quantized:
+            return quantized_matvec
+        return gemv if bucket == 1 else linear
 
     @torch.no_grad()
     def warm_up(self, max_rows: int | None = None) -> None:
@@ -227,14 +221,14 @@ class CompiledPagedRunner(PagedModelRunner):
 
 
 def compiled_step_refusal(model: LlamaModel) -> str | None:
-    """Why the compiled step cannot run ``model``, or None: it multiplies fp32 or bf16 weights
-    with fp32 activations."""
+    """Why the compiled step cannot run ``model``, or None: it multiplies fp32 or bf16 weights,
+    or stage 08's int8 / int4 ones that PyTorch's CPU kernels read, with fp32 activations."""
     if model.activations != torch.float32:
         return (f"the compiled step computes in fp32, but this model's activations are {model.activations}. "
                 "Fix: load the model with activations=torch.float32 (the default)")
-    if any(isinstance(m, QuantizedLinear) for m in model.modules()):
-        return ("the compiled step multiplies float weights, and this model has stage 08's quantized layers. "
-                "Fix: run it in the eager engine (paged_engine), or at batch 1 with QuantizedFastDecoder")
+    refusal = quantized_refusal(model)
+    if refusal:
+        return f"the compiled step cannot read this model's quantized weights: {refusal}"
     dtype = model.embed_tokens.weight.dtype
     if dtype not in (torch.float32, torch.bfloat16):
         return f"the compiled step takes fp32 or bf16 weights, got {dtype}. Fix: load the model in one of them"
@@ -246,7 +240,7 @@ def compiled_engine(model: LlamaModel, tokenizer: Tokenizer, max_seqs: int = Sch
                     kv_bytes: int | None = None, block_size: int = 16, prefix_caching: bool = True,
                     aging_rate: float = 1.0, attention: AttentionFn = sdpa_attention,
                     kv_dtype: torch.dtype | None = None,
-                    clock: Callable[[], float] = time.perf_counter, compile: bool = True,
+                    clock: Callable[[], float] = time.perf_counter, compile: bool | Compiler = True,
                     buckets: tuple[int, ...] = BATCH_BUCKETS, stats_capacity: int = 10_000,
                     arithmetic: torch.dtype | None = None) -> Engine:
     """Stage 07's ``paged_engine`` with a ``CompiledPagedRunner``: the same arguments, scheduler,

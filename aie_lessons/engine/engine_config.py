@@ -16,6 +16,7 @@ from aie_lessons.ceilings import products_seconds
 from aie_lessons.engine.compiled_runner import (BATCH_BUCKETS, CompiledPagedRunner, compiled_engine,
                                                 compiled_step_refusal)
 from aie_lessons.engine.engine import Engine
+from aie_lessons.fast_decode import Compiler
 from aie_lessons.engine.paged_engine import paged_engine
 from aie_lessons.engine.scheduler import SchedulerConfig
 from aie_lessons.model import LlamaModel
@@ -108,11 +109,12 @@ def choose_step(model: LlamaModel, step: str) -> tuple[str, str | None]:
 
 def build_engine(model: LlamaModel, tokenizer: Tokenizer, config: EngineConfig = EngineConfig(),
                  clock: Callable[[], float] = time.perf_counter,
-                 on_note: Callable[[str], None] | None = None) -> Engine:
+                 on_note: Callable[[str], None] | None = None, compiler: Compiler | None = None) -> Engine:
     """The engine ``config`` describes, over a paged cache: stage 07's ``paged_engine`` or this
-    stage's ``compiled_engine``. When "auto" falls back to eager, ``on_note`` hears why (default:
-    a warning). The compiled step compiles each bucket on first use: ``compile_buckets`` does it
-    before any request waits for it."""
+    stage's ``compiled_engine``, whose step ``compiler`` compiles (default ``torch.compile``; the
+    command line passes its ``AheadOfTime``). When "auto" falls back to eager, ``on_note`` hears
+    why (default: a warning). The compiled step compiles each bucket on first use:
+    ``compile_buckets`` does it before any request waits for it."""
     def tell(note: str) -> None:
         if on_note is None:
             warnings.warn(note, stacklevel=3)
@@ -127,7 +129,7 @@ def build_engine(model: LlamaModel, tokenizer: Tokenizer, config: EngineConfig =
                     aging_rate=config.aging_rate, kv_dtype=config.kv_dtype, clock=clock,
                     stats_capacity=config.stats_capacity)
     if step == "compiled":
-        return compiled_engine(model, tokenizer, buckets=config.buckets,
+        return compiled_engine(model, tokenizer, buckets=config.buckets, compile=compiler or True,
                                arithmetic=choose_arithmetic(model, config, tell), **settings)
     return paged_engine(model, tokenizer, **settings)
 
@@ -149,8 +151,10 @@ def bf16_product_cost(model: LlamaModel, rows: int) -> float:
 def choose_arithmetic(model: LlamaModel, config: EngineConfig, tell: Callable[[str], None]) -> torch.dtype | None:
     """The dtype the compiled step multiplies in: None (the weights' own) unless the weights are
     bf16 and ``config.arithmetic`` is "float32", or "auto" and bf16 products are slow here —
-    then fp32, and ``tell`` hears why (the packed weights take twice the bytes)."""
-    if model.embed_tokens.weight.dtype != torch.bfloat16 or config.arithmetic == "bf16":
+    then fp32, and ``tell`` hears why (the packed weights take twice the bytes). An engine of
+    one request at a time has only the bucket of one row, whose ``gemv`` converts each bf16
+    weight as it reads it on any CPU: nothing to measure, no second copy in fp32."""
+    if model.embed_tokens.weight.dtype != torch.bfloat16 or config.arithmetic == "bf16" or config.max_seqs == 1:
         return None
     if config.arithmetic == "float32":
         return torch.float32

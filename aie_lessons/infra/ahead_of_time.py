@@ -1,25 +1,38 @@
-"""Stage 09's decode step compiled ahead of time (AOTInductor), so a new process loads it in
-milliseconds.
+"""Compiled steps ahead of time (AOTInductor): a compiler used where ``torch.compile`` would
+be, whose code a later process loads in milliseconds.
 
 ``torch.compile`` keeps its generated code on disk (``compile_cache``), but every new process
 still traces the Python of the step again before it can look that code up: seconds of
 ``aie generate``'s start-up, which a short answer never earns back. ``torch.export`` traces the
 step once into a graph, AOTInductor compiles the graph into a shared library packaged as a
-``.pt2`` file, and a later process only ``dlopen``s it. So the compiled decoder pays off from
-the first token, and ``aie generate`` uses it for every answer.
+``.pt2`` file, and a later process only ``dlopen``s it.
+
+``AheadOfTime()`` is a compiler: ``step = AheadOfTime()(fn)``, then ``step(*args)``, as with
+``torch.compile(fn)``; stage 09's ``FastDecoder`` and ``CompiledPagedRunner`` take it as their
+``compile`` option. The first call with a new kind of arguments exports ``fn`` with them as the
+examples and compiles a package — or loads the one an earlier process compiled — and runs it;
+later calls run the package. What the arguments become:
+
+- tensors, anywhere in nested tuples, lists and dataclasses, are the package's inputs. Their
+  sizes are fixed, except the dimensions marked dynamic (``torch._dynamo.mark_dynamic``, as for
+  ``torch.compile``), which stay symbols;
+- an ``int`` argument (at the top level) is a size too — a position — and travels as the length
+  of an empty tensor, since an ``int`` cannot stay symbolic through AOTInductor;
+- everything else (a float, a function such as the step's ``matvec``, a flag, a quantization
+  scheme) is compiled in: another value gets another package.
+
+Export infers from the code the range of each dynamic size (with bf16 weights a position of 1
+falls outside it), and a package does not check its inputs; so a call outside its package's
+ranges runs ``fn`` eagerly, as does a call with a dynamic size of 0 or 1 before its package
+exists (the tracer would take those sizes for constants).
 
 The packages live in ``data/cache/inductor/aot/`` (beside inductor's own cache, wherever
-``TORCHINDUCTOR_CACHE_DIR`` puts it), one per compiled function, named by a hash of all they
-depend on: the PyTorch version, the CPU's instruction set extensions (inductor compiles for
-this very CPU), the source of the modules the step is made of (a learner's recommitted stage 09
-compiles anew, as does an edit of this module), the decoder's class and the exact structure,
-dtypes, shapes and device of the weights. Delete the folder (``make clean`` does) to compile
-again. Two processes compiling the same package both finish; the last rename wins.
-
-What varies within a model is given to ``torch.export`` as dynamic sizes: the length of a
-request's KV cache and RoPE tables, and the position ``t``. An ``int`` argument cannot stay
-symbolic through AOTInductor, so ``t`` travels as the length of an empty (t, 0) tensor — a
-view of one preallocated tensor, free to make.
+``TORCHINDUCTOR_CACHE_DIR`` puts it), named by a hash of all they depend on: the PyTorch version,
+the CPU's instruction set extensions (inductor compiles for this very CPU), the source of the
+modules the step is made of (a learner's recommitted stage 09 compiles anew, as does an edit of
+this module) and of any function passed in, the function's name and the exact structure, dtypes,
+shapes and device of its arguments. Delete the folder (``make clean`` does) to compile again. Two
+processes compiling the same package both finish; the last rename wins.
 """
 
 from __future__ import annotations
@@ -38,16 +51,14 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
+from torch.utils import _pytree as pytree
 
-from aie_lessons.fast_decode import FastDecoder, decode_head, decode_layers
 from aie_lessons.infra.compile_cache import INDUCTOR_CACHE, INDUCTOR_CACHE_ENV, cache_folder
 
-# The modules whose code ends up inside the compiled step: a change to any must compile anew.
-STEP_SOURCES = ("aie_lessons.fast_decode", "aie_lessons.model", "aie_lessons.quantize", __name__)
-# The sizes the layers' package was exported for, kept in its metadata: export infers their
-# ranges from the step's code (with bf16 weights, a position of 1 falls outside), and a package
-# does not check its inputs, so a step outside them runs eagerly instead.
-SIZES = ("position", "cos")
+# The modules whose code ends up inside a compiled step: a change to any must compile anew.
+STEP_SOURCES = ("aie_lessons.fast_decode", "aie_lessons.engine.compiled_runner", "aie_lessons.model",
+                "aie_lessons.quantize", __name__)
+MEMO = 16  # argument lists whose inputs a step remembers (see AheadOfTimeFunction._layers)
 
 
 def aot_folder() -> Path:
@@ -68,85 +79,90 @@ def leaves(value: Any) -> list[torch.Tensor]:
         return [value]
     if isinstance(value, (tuple, list)):
         return [t for item in value for t in leaves(item)]
-    if dataclasses.is_dataclass(value):
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return [t for name in _fields(value) for t in leaves(getattr(value, name))]
     if isinstance(value, dict):
-        raise TypeError("compile_ahead takes weights in tuples, lists and dataclasses, not dicts")
+        raise TypeError("an ahead-of-time step takes its tensors in tuples, lists and dataclasses, not dicts")
     return []
 
 
 def rebuild(value: Any, tensors: Any) -> Any:
     """``value`` with its tensors replaced, in ``leaves`` order, by the next ones of the iterator
     ``tensors``; everything else (a ``QuantScheme``) is kept: how the exported function turns its
-    flat inputs back into the arguments ``decode_layers`` and ``decode_head`` expect."""
+    flat inputs back into the arguments the step expects."""
     if isinstance(value, torch.Tensor):
         return next(tensors)
     if isinstance(value, (tuple, list)):
         return type(value)(rebuild(item, tensors) for item in value)
-    if dataclasses.is_dataclass(value) and leaves(value):
+    if dataclasses.is_dataclass(value) and not isinstance(value, type) and leaves(value):
         return dataclasses.replace(value, **{name: rebuild(getattr(value, name), tensors) for name in _fields(value)})
     return value
 
 
+def dynamic_dims(tensor: torch.Tensor) -> tuple[int, ...]:
+    """The dimensions of ``tensor`` marked dynamic with ``torch._dynamo.mark_dynamic``."""
+    return tuple(sorted(getattr(tensor, "_dynamo_dynamic_indices", ())))
+
+
 def structure(value: Any) -> str:
-    """What a compiled function is specialised to: each tensor's dtype, shape and device, and
-    every other value (a scheme, a flag) as written. Two inputs with one ``structure`` share a
-    package."""
+    """What a compiled function is specialised to: each tensor's dtype, shape (a dynamic size as
+    ``?``) and device, each function by name, and every other value (a scheme, a flag) as
+    written. Two calls with one ``structure`` share a package."""
     if isinstance(value, torch.Tensor):
-        return f"{value.dtype}{tuple(value.shape)}@{value.device}"
+        dims = dynamic_dims(value)
+        shape = ",".join("?" if i in dims else str(size) for i, size in enumerate(value.shape))
+        return f"{value.dtype}({shape})@{value.device}"
     if isinstance(value, (tuple, list)):
         return "(" + ",".join(structure(item) for item in value) + ")"
-    if dataclasses.is_dataclass(value):
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return type(value).__name__ + structure([getattr(value, name) for name in _fields(value)])
+    if callable(value):
+        return f"{getattr(value, '__module__', '?')}.{getattr(value, '__qualname__', type(value).__name__)}"
     return repr(value)
 
 
-def _class_source(cls: type) -> bytes:
-    """The source of the module that defines ``cls``, or, for a class typed into a notebook
-    (no file holds it), the bytecode of its methods."""
+def _function_source(function: Callable) -> bytes:
+    """The source of ``function``, or, for one typed into a notebook (no file holds it), its bytecode."""
+    function = getattr(function, "__func__", function)
     try:
-        return inspect.getsource(sys.modules[cls.__module__]).encode()
+        return inspect.getsource(function).encode()
     except (OSError, TypeError):
-        methods = (getattr(f, "__func__", f) for f in vars(cls).values())
-        return b"".join(f.__code__.co_code for f in methods if hasattr(f, "__code__"))
+        code = getattr(function, "__code__", None)
+        return code.co_code if code is not None else repr(function).encode()
 
 
-def package_key(decoder: FastDecoder, *parts: str) -> str:
+def package_key(function: Callable, args: tuple[Any, ...]) -> str:
     """A hash of everything a compiled package depends on (see the module docstring)."""
-    cls = type(decoder)
-    sources = [Path(sys.modules[name].__file__).read_bytes() for name in STEP_SOURCES]
-    sources.append(_class_source(cls))  # a subclass's own pack and matvec
+    sources = [Path(sys.modules[name].__file__).read_bytes() for name in STEP_SOURCES if name in sys.modules]
+    sources += [_function_source(value) for value in pytree.tree_leaves(args) if callable(value)]
     # Inductor compiles for this CPU (-march=native on x86): the extensions it may use are the
     # CPU's flags, which torch reads from cpuinfo for free (inductor's own ISA check compiles
     # test programs, seconds). A cache copied to a CPU with other extensions compiles anew.
     flags = ",".join(sorted(name for name, present in torch.cpu.get_capabilities().items() if present))
     text = "|".join((torch.__version__, platform.machine(), flags, hashlib.sha256(b"".join(sources)).hexdigest(),
-                     f"{cls.__module__}.{cls.__qualname__}", repr(decoder.model.config), *parts))
+                     structure(function), structure(args)))
     return hashlib.sha256(text.encode()).hexdigest()[:24]
 
 
-class _Layers(torch.nn.Module):
-    """``decode_layers`` over one call's layers, taking flat tensors: x, the position marker, the
-    RoPE tables, then each layer's keys, values and weights."""
+class _Flat(torch.nn.Module):
+    """``function`` taking flat tensors: the tensors of ``args`` in ``leaves`` order, then one
+    empty (n, 0) tensor per ``int`` argument, whose length n is that argument."""
 
-    def __init__(self, decoder: FastDecoder, layers: list[Any]):
+    def __init__(self, function: Callable, args: tuple[Any, ...]):
         super().__init__()
-        self.eps, self.matvec, self.layers = decoder.eps, decoder.matvec, layers
+        self.function, self.args = function, args
+        self.ints = [i for i, value in enumerate(args) if _is_size(value)]
 
-    def forward(self, x, position, cos, sin, *tensors):
-        layers = rebuild(self.layers, iter(tensors))
-        return decode_layers(x, position.shape[0], cos, sin, self.eps, self.matvec, layers)
+    def forward(self, *inputs):
+        tensors = iter(inputs[:len(inputs) - len(self.ints)])
+        args = list(rebuild(self.args, tensors))
+        for i, marker in zip(self.ints, inputs[len(inputs) - len(self.ints):]):
+            args[i] = marker.shape[0]
+        return self.function(*args)
 
 
-class _Head(torch.nn.Module):
-    """``decode_head`` taking flat tensors: x, the final norm, then the head's matrices."""
-
-    def __init__(self, decoder: FastDecoder, greedy: bool):
-        super().__init__()
-        self.eps, self.matvec, self.head, self.greedy = decoder.eps, decoder.matvec, decoder.head, greedy
-
-    def forward(self, x, norm, *tensors):
-        return decode_head(x, norm, self.eps, rebuild(self.head, iter(tensors)), self.matvec, self.greedy)
+def _is_size(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 class CompileFailed(RuntimeError):
@@ -154,30 +170,17 @@ class CompileFailed(RuntimeError):
     operation AOTInductor cannot take); the first line says why, the rest where the details are."""
 
 
-@dataclasses.dataclass
-class AheadOfTime:
-    """What ``compile_ahead`` did: how many packages it ``compiled`` (0: all were loaded), the
-    folder, and the seconds it took."""
-
-    folder: Path
-    compiled: int
-    seconds: float
-
-
-def size_ranges(program: torch.export.ExportedProgram) -> dict[str, str]:
-    """For each input named in ``SIZES``, the range of its first size that ``program`` takes, as
-    "low,high" (the package's metadata holds strings); a size export kept fixed is its own range."""
-    ranges = {}
-    for node in program.graph.nodes:
-        if node.op == "placeholder" and node.name in SIZES:
-            size = node.meta["val"].shape[0]
-            if isinstance(size, int):
-                low = high = size
-            else:
+def size_ranges(program: torch.export.ExportedProgram) -> str:
+    """Each dynamic size ``program`` takes, as "input.dim:low:high" joined by spaces (a
+    package's metadata holds strings): input is the position among the flat inputs."""
+    nodes = {node.name: node for node in program.graph.nodes if node.op == "placeholder"}
+    ranges = []
+    for index, name in enumerate(program.graph_signature.user_inputs):
+        for dim, size in enumerate(nodes[name].meta["val"].shape):
+            if not isinstance(size, int):
                 bounds = program.range_constraints[size.node.expr]
-                low, high = int(bounds.lower), int(min(bounds.upper, sys.maxsize))
-            ranges[f"aie_{node.name}"] = f"{low},{high}"
-    return ranges
+                ranges.append(f"{index}.{dim}:{int(bounds.lower)}:{int(min(bounds.upper, sys.maxsize))}")
+    return " ".join(ranges)
 
 
 def _compile(folder: Path, path: Path, export: Callable[[], torch.export.ExportedProgram]) -> None:
@@ -192,7 +195,8 @@ def _compile(folder: Path, path: Path, export: Callable[[], torch.export.Exporte
             warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
             program = export()
             torch._inductor.aoti_compile_and_package(
-                program, package_path=partial, inductor_configs={"aot_inductor.metadata": size_ranges(program)})
+                program, package_path=partial, inductor_configs={"aot_inductor.metadata": {
+                    "aie_ranges": size_ranges(program), "aie_outputs": pytree.treespec_dumps(program.call_spec.out_spec)}})
         os.replace(partial, path)
     except Exception as exc:  # export's and inductor's errors share no base class: each is reported
         log = folder / "failure.log"
@@ -231,74 +235,117 @@ def _package(folder: Path, key: str, export: Callable[[], torch.export.ExportedP
         raise CompileFailed(f"the package {path} was compiled but does not load: {exc}") from exc
 
 
-@torch.no_grad()
-def compile_ahead(decoder: FastDecoder, greedy: bool, folder: Path | None = None,
-                  on_compile: Callable[[], None] | None = None) -> AheadOfTime:
-    """Give ``decoder`` (built with ``compile=False``) an ahead-of-time compiled step: its
-    ``decode_layers`` and ``decode_head`` become calls into packages from ``folder`` (default
-    ``aot_folder()``), compiled there first where missing; ``on_compile`` is called before the
-    first compile, to tell the user about the wait. ``greedy`` chooses the head's version: the
-    next token, or the logits for sampling. The decoder then decodes as before, from any process.
+@dataclasses.dataclass
+class _Package:
+    """A loaded package, the output structure to rebuild, and the dynamic sizes it takes, as
+    (input, dim, low, high)."""
+
+    runner: Any
+    out_spec: Any
+    ranges: list[tuple[int, int, int, int]]
+
+    def takes(self, inputs: list[torch.Tensor]) -> bool:
+        return all(low <= inputs[i].shape[dim] <= high for i, dim, low, high in self.ranges)
+
+    def __call__(self, inputs: list[torch.Tensor]) -> Any:
+        return pytree.tree_unflatten(self.runner.boxed_run(inputs), self.out_spec)
+
+
+class AheadOfTime:
+    """A compiler for step functions, used where ``torch.compile`` is: ``AheadOfTime()(fn)``.
+
+    Packages go to ``folder`` (default ``aot_folder()``). ``on_compile`` is called once, before
+    the first package has to be compiled (not loaded), to tell the user about the wait: about a
+    minute on a laptop. ``compiled`` counts the packages compiled, ``seconds`` the time spent
+    compiling or loading them.
     """
-    if decoder.decode_layers is not decode_layers or decoder.decode_head is not decode_head:
-        raise ValueError("compile_ahead takes a decoder whose step is not compiled yet: built with "
-                         "compile=False, and not given to compile_ahead before")
-    folder = folder or aot_folder()
-    start, compiled = time.perf_counter(), 0
-    config = decoder.model.config
-    # Example inputs: a three-token request with room for 16 (sizes 0 and 1 would be taken
-    # for constants by the tracer); the cache length and the position are marked dynamic.
-    calls, cos, sin, _ = decoder._prefill([0, 0, 0], 16)
-    x = decoder.embed[0].float()
-    marker = torch.empty(config.max_position_embeddings, 0, device=x.device)
-    auto = torch.export.Dim.AUTO  # dynamic, in the range the step's code allows (size_ranges)
-    loaded: dict[str, Any] = {}  # calls whose layers have one structure share one package
 
-    def package(key: str, export: Callable[[], torch.export.ExportedProgram]) -> Any:
-        nonlocal compiled
-        if key not in loaded:
-            if not compiled and on_compile and not (folder / f"{key}.pt2").exists():
-                on_compile()
-            loaded[key], fresh = _package(folder, key, export)
-            compiled += fresh
-        return loaded[key]
+    def __init__(self, folder: Path | None = None, on_compile: Callable[[], None] | None = None):
+        self.folder = folder or aot_folder()
+        self.on_compile = on_compile
+        self.compiled, self.seconds = 0, 0.0
+        self.packages: dict[str, _Package] = {}
 
-    def export_layers(layers: list[Any]) -> torch.export.ExportedProgram:
-        cache = tuple(size for _, _, weights in layers  # each layer's keys and values, then its weights
-                      for size in ({1: auto}, {1: auto}, *[None] * len(leaves(weights))))
-        return torch.export.export(_Layers(decoder, layers), (x, marker[:3], cos, sin, *leaves(layers)),
-                                   dynamic_shapes=(None, {0: auto}, {0: auto}, {0: auto}, cache))
+    def __call__(self, function: Callable) -> AheadOfTimeFunction:
+        return AheadOfTimeFunction(self, function)
 
-    # A request's calls are new lists each time, but their weights are the decoder's own: the
-    # first weight of a call's first layer names the call. Its weights' tensors are gathered once.
-    by_call = {}
-    for layers in calls:
-        runner = package(package_key(decoder, "layers", structure(layers)), lambda layers=layers: export_layers(layers))
+    @torch.no_grad()
+    def package(self, function: Callable, args: tuple[Any, ...], inputs: list[torch.Tensor]) -> _Package:
+        """The package for ``function`` on arguments like ``args`` (flattened: ``inputs``),
+        loaded, or compiled first where this machine has none."""
+        key = package_key(function, args)
+        if key in self.packages:
+            return self.packages[key]
+        start, path = time.perf_counter(), self.folder / f"{key}.pt2"
+        module = _Flat(function, args)
+        dims = [{d: torch.export.Dim.AUTO for d in dynamic_dims(t)} or None for t in inputs[:len(inputs) - len(module.ints)]]
+        dims += [{0: torch.export.Dim.AUTO}] * len(module.ints)
+
+        def export() -> torch.export.ExportedProgram:
+            marked = [(t, set(t._dynamo_dynamic_indices)) for t in inputs if dynamic_dims(t)]
+            try:
+                return torch.export.export(module, tuple(inputs), dynamic_shapes=(tuple(dims),))
+            finally:  # export clears the marks of its example inputs, which are the caller's tensors
+                for tensor, indices in marked:
+                    tensor._dynamo_dynamic_indices = indices
+
+        if self.on_compile and not self.compiled and not path.exists():
+            self.on_compile()
+        runner, fresh = _package(self.folder, key, export)
+        self.compiled += fresh
         metadata = runner.get_metadata()
-        (t_low, t_high), (s_low, s_high) = (map(int, metadata[f"aie_{name}"].split(",")) for name in SIZES)
-        by_call[id(layers[0][2][0])] = (runner, [leaves(weights) for _, _, weights in layers],
-                                        range(t_low, t_high + 1), range(s_low, s_high + 1))
-    head_tensors = leaves(decoder.head)
-    head = package(package_key(decoder, "head", structure(decoder.head), str(greedy)),
-                   lambda: torch.export.export(_Head(decoder, greedy), (x, decoder.final_norm, *head_tensors)))
+        ranges = [tuple(int(n) for n in entry.replace(".", ":").split(":")) for entry in metadata["aie_ranges"].split()]
+        self.packages[key] = _Package(runner, pytree.treespec_loads(metadata["aie_outputs"]), ranges)
+        self.seconds += time.perf_counter() - start
+        return self.packages[key]
 
-    def run_layers(x, t, cos, sin, eps, matvec, layers):
-        """``decode_layers``' signature; eps and matvec are compiled in."""
-        runner, weights, positions, lengths = by_call[id(layers[0][2][0])]
-        if t not in positions or cos.shape[0] not in lengths:  # outside the package's sizes (SIZES)
-            return decode_layers(x, t, cos, sin, eps, matvec, layers)
-        inputs = [x, marker[:t], cos, sin]
-        for (keys, values, _), tensors in zip(layers, weights):
-            inputs += (keys, values, *tensors)
-        return runner.boxed_run(inputs)[0], ()
 
-    def run_head(x, norm, eps, weights, matvec, greedy_step):
-        """``decode_head``'s signature; all but x and the norm are compiled in."""
-        if greedy_step != greedy:
-            raise ValueError(f"this decoder's head was compiled ahead for greedy={greedy}, and this step asks "
-                             f"for {'the next token' if greedy_step else 'logits'}. Fix: compile_ahead(decoder, "
-                             f"greedy={greedy_step}) on a new decoder")
-        return head.boxed_run([x, norm, *head_tensors])[0], ()
+class AheadOfTimeFunction:
+    """``function`` compiled ahead of time: call it with ``function``'s arguments.
 
-    decoder.decode_layers, decoder.decode_head = run_layers, run_head
-    return AheadOfTime(folder, compiled, time.perf_counter() - start)
+    Flattening a step's arguments (five layers' weights and caches: some 40 tensors) costs tens
+    of microseconds, paid at every call of every step; so the flat inputs of each list argument
+    (the step's layers) are remembered, for the ``MEMO`` lists most recently seen — a request's
+    or a runner's lists are built once and passed at every step. A remembered list is held
+    (compared by identity, never by address alone), so at most ``MEMO`` lists, and the caches
+    they hold, outlive their request.
+    """
+
+    def __init__(self, compiler: AheadOfTime, function: Callable):
+        self.compiler, self.function = compiler, function
+        self.memo: dict[int, tuple[list, list[torch.Tensor], str]] = {}
+        self.by_structure: dict[str, _Package] = {}
+
+    def _flat(self, value: Any) -> tuple[list[torch.Tensor], str]:
+        """The tensors and structure of one argument, remembered for lists."""
+        if not isinstance(value, list):
+            return leaves(value), structure(value)
+        entry = self.memo.get(id(value))
+        if entry is None or entry[0] is not value:
+            entry = (value, leaves(value), structure(value))
+            self.memo[id(value)] = entry
+            while len(self.memo) > MEMO:
+                del self.memo[next(iter(self.memo))]
+        return entry[1], entry[2]
+
+    def __call__(self, *args: Any) -> Any:
+        inputs, shape = [], []
+        for value in args:
+            if _is_size(value):
+                shape.append("int")
+            else:
+                tensors, text = self._flat(value)
+                inputs += tensors
+                shape.append(text)
+        sizes = [value for value in args if _is_size(value)]
+        inputs += [torch.empty(n, 0, device=inputs[0].device if inputs else None) for n in sizes]
+        key = "|".join(shape)
+        package = self.by_structure.get(key)
+        if package is None:
+            small = any(t.shape[d] < 2 for t in inputs[:len(inputs) - len(sizes)] for d in dynamic_dims(t))
+            if small or any(n < 2 for n in sizes):  # export would take the size for a constant: wait
+                return self.function(*args)
+            package = self.by_structure[key] = self.compiler.package(self.function, args, inputs)
+        if not package.takes(inputs):
+            return self.function(*args)
+        return package(inputs)

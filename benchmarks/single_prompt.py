@@ -1,0 +1,116 @@
+"""One prompt through the engine, as ``aie generate`` runs it, against stage 09's batch-1 decoder.
+
+``aie generate`` with one prompt runs the engine (stages 06-07: scheduler, paged KV cache,
+sampler, streaming detokenizer) with its step compiled ahead of time for one row; before, it ran
+``FastDecoder``, a loop of its own. Both now run the same layer (``fast_decode.decode_layer``)
+through the same compiler (``AheadOfTime``): the engine adds its bookkeeping, the paged cache's
+gather and a head that returns logits to the sampler. The target (the issue "one engine, one fast
+path"): the engine's decode rate at least 0.95x the decoder's, for fp32 and bf16 weights and for
+stage 08's int8 and int4-g32 (read by PyTorch's CPU kernels in both).
+
+Each round runs one greedy request of ``--tokens`` tokens (EOS ignored) through each system in
+turn; a system's decode rate is its tokens after the first over the time from the first token to
+the last (the engine's steps are timed by its own ``StepStats``, the decoder's by the clock
+around each ``next()``). The median over ``--rounds`` rounds is kept and the ratio taken within
+the run: this machine is shared and its speed drifts. The greedy tokens must be the same (for
+quantized weights both round activations to bf16 for the kernels).
+
+OpenMP threads wait passively (``OMP_WAIT_POLICY=PASSIVE`` unless set), as ``aie serve`` does.
+
+    .venv/bin/python benchmarks/single_prompt.py [--weights fp32,bf16,int8,int4-g32] [--tokens 96] [--rounds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch starts OpenMP
+from aie_lessons.infra.compile_cache import use_compile_cache  # noqa: E402
+
+use_compile_cache()  # before anything imports inductor
+import torch  # noqa: E402
+
+from aie_lessons.engine.engine import Engine  # noqa: E402
+from aie_lessons.engine.engine_config import EngineConfig, build_engine, compile_buckets  # noqa: E402
+from aie_lessons.fast_decode import FastDecoder, QuantizedFastDecoder  # noqa: E402
+from aie_lessons.infra.ahead_of_time import AheadOfTime  # noqa: E402
+from aie_lessons.infra.paths import default_model_dir  # noqa: E402
+from aie_lessons.model import LlamaModel  # noqa: E402
+from aie_lessons.quantize import quantize_model  # noqa: E402
+from aie_lessons.sampling import SamplingParams  # noqa: E402
+from aie_lessons.tokenizer import Tokenizer  # noqa: E402
+
+TARGET = 0.95
+PROMPT = "Write a long story about a lighthouse keeper and the sea."
+
+
+def load(weights: str) -> LlamaModel:
+    """The course model with ``weights``: fp32, bf16, or a stage 08 scheme over bf16 (whose
+    unquantized head then reads half fp32's bytes, as ``aie generate --quant`` loads it)."""
+    dtype = torch.float32 if weights == "fp32" else torch.bfloat16
+    model = LlamaModel.from_pretrained(default_model_dir(), dtype=dtype)
+    return model if weights in ("fp32", "bf16") else quantize_model(model, weights)
+
+
+def decoder_rate(decoder: FastDecoder, prompt: list[int], params: SamplingParams) -> tuple[float, list[int]]:
+    """Decode tokens/s after the first token, and the tokens."""
+    tokens, times = [], []
+    for token in decoder.tokens(prompt, params):
+        tokens.append(token)
+        times.append(time.perf_counter())
+    return (len(times) - 1) / (times[-1] - times[0]), tokens
+
+
+def engine_rate(engine: Engine, prompt: list[int], params: SamplingParams) -> tuple[float, list[int]]:
+    """Decode tokens/s over the engine's decode steps (whole steps: scheduling to detokenizing), and the tokens."""
+    first = len(engine.stats)
+    request = engine.add_request(prompt, params)
+    while engine.has_work():
+        engine.step()
+    steps = [s for s in engine.stats[first:] if s.prefill_tokens == 0]
+    return len(steps) / sum(s.end - s.start for s in steps), request.output_ids
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--weights", default="fp32,bf16,int8,int4-g32")
+    parser.add_argument("--tokens", type=int, default=96)
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+    tokenizer = Tokenizer.from_pretrained(default_model_dir())
+    prompt = tokenizer.encode_chat(PROMPT)
+    params = SamplingParams(max_new_tokens=args.tokens, ignore_eos=True)
+    print(f"one greedy request of {args.tokens} tokens after a {len(prompt)}-token prompt; "
+          f"{torch.get_num_threads()} threads; median of {args.rounds} rounds")
+    rows = []
+    for weights in args.weights.split(","):
+        model = load(weights)
+        compiler = AheadOfTime()
+        quantized = weights not in ("fp32", "bf16")
+        decoder = (QuantizedFastDecoder if quantized else FastDecoder)(model, compile=compiler)
+        decoder.warm_up(params)
+        engine = build_engine(model, tokenizer, EngineConfig(max_seqs=1, kv_bytes=64 * 2**20, step="compiled"),
+                              compiler=compiler)
+        compile_buckets(engine)
+        rates: dict[str, list[float]] = {"decoder": [], "engine": []}
+        for _ in range(args.rounds):
+            rate, expected = decoder_rate(decoder, prompt, params)
+            rates["decoder"].append(rate)
+            rate, tokens = engine_rate(engine, prompt, params)
+            rates["engine"].append(rate)
+            if tokens != expected:
+                raise SystemExit(f"{weights}: the engine's greedy tokens differ from the decoder's")
+        decoder_median, engine_median = (statistics.median(rates[k]) for k in ("decoder", "engine"))
+        rows.append((weights, decoder_median, engine_median, engine_median / decoder_median))
+        print(f"{weights:>9}: decoder {decoder_median:6.1f} tok/s, engine {engine_median:6.1f} tok/s, "
+              f"engine/decoder {engine_median / decoder_median:.2f} (same tokens)", flush=True)
+    missed = [w for w, *_, ratio in rows if ratio < TARGET]
+    print(f"target: engine/decoder >= {TARGET} for each weight kind: "
+          + ("met" if not missed else f"NOT met for {', '.join(missed)}"))
+
+
+if __name__ == "__main__":
+    main()
