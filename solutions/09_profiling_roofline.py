@@ -1078,7 +1078,14 @@ checks.stage09.check_decode_attention(decode_attention)
 
 # %%
 # export: fast_decode
-LayerInputs = tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...]]  # keys, values, weights
+LayerInputs = tuple[torch.Tensor, torch.Tensor, tuple[Any, ...]]  # keys, values, the matrices and norms
+
+
+class Call(list):
+    """The layers of one compiled call, a list of ``LayerInputs``, built once per request (or
+    runner) and passed at every step. A plain list that can be weakly referenced: a compiler may
+    then remember what it made of it (``AheadOfTime`` keeps its flat tensors) for exactly as long
+    as the list lives, never keeping a finished request's cache alive."""
 
 
 Stored = tuple[torch.Tensor, ...]
@@ -1276,7 +1283,7 @@ class FastDecoder:
 
     @staticmethod
     def matvec(x: torch.Tensor, weight: Any) -> torch.Tensor:
-        """x (K,) fp32 times one packed matrix -> (N,) fp32."""
+        """x (B, K) fp32 times one packed matrix -> (B, N) fp32."""
         return gemv(x, weight)
 
     def bytes_per_token(self, context: int) -> int:
@@ -1294,7 +1301,7 @@ class FastDecoder:
         Python work to every step; done once, it is free.
         """
         inputs = [(cache.keys[i, 0], cache.values[i, 0], w.tensors()) for i, w in enumerate(self.layers)]
-        return [inputs[i:i + self.layers_per_call] for i in range(0, len(inputs), self.layers_per_call)]
+        return [Call(inputs[i:i + self.layers_per_call]) for i in range(0, len(inputs), self.layers_per_call)]
 
     def step(self, token: int, t: int, calls: list[list[LayerInputs]], cos: torch.Tensor, sin: torch.Tensor,
              greedy: bool = True) -> torch.Tensor:
@@ -1568,10 +1575,11 @@ def kernel_refusal(name: str, layer: QuantizedLinear) -> str | None:
     if layer.scheme.bits == 4 and layer.scheme.group_size not in INT4_KERNEL_GROUP_SIZES:
         return (f"{name} ({layer.scheme.name}): PyTorch's int4 CPU kernel takes groups of "
                 f"{', '.join(map(str, INT4_KERNEL_GROUP_SIZES))} only. Fix: quantize with int4-g32 or int4-g64, "
-                "or decode with the cached loop")
+                "or run this model without a compiled step (eagerly)")
     if not kernel_fits(layer.scheme, layer.out_features):
         return (f"{name} ({layer.scheme.name}): {layer.out_features} outputs, but PyTorch's int4 CPU kernel works "
-                "in tiles of 16. Fix: leave this layer unquantized (overrides) or decode with the cached loop")
+                "in tiles of 16. Fix: leave this layer unquantized (overrides), or run this model without a "
+                "compiled step (eagerly)")
     return None
 
 
@@ -1750,9 +1758,9 @@ from aie_lessons.engine.paged_cache import blocks_for_budget, slot_pool_bytes
 from aie_lessons.engine.paged_runner import PagedModelRunner
 from aie_lessons.engine.preemption import PagedScheduler
 from aie_lessons.engine.scheduler import SchedulerConfig
-from aie_lessons.fast_decode import (Compiler, LayerInputs, MatVec, Stored, decode_head, decode_layer, gemv, layer_weights,
-                                     linear, pack_quantized, pack_weights, quantized_matvec, quantized_refusal,
-                                     step_compiler)
+from aie_lessons.fast_decode import (Call, Compiler, LayerInputs, MatVec, Stored, decode_head, decode_layer, gemv,
+                                     layer_weights, linear, pack_quantized, pack_weights, quantized_matvec,
+                                     quantized_refusal, step_compiler)
 from aie_lessons.model import AttentionFn, LlamaModel, rope_cos_sin, sdpa_attention
 from aie_lessons.output import stop_token_ids
 from aie_lessons.quantize import QuantizedLinear
@@ -1957,7 +1965,7 @@ class CompiledPagedRunner(PagedModelRunner):
             torch._dynamo.mark_dynamic(pool, 0)  # one compiled version for any KV budget
         layers = [(keys, values, weights.tensors())
                   for (keys, values), weights in zip(pools, layer_weights(model, matrices))]
-        self.calls = [layers[i:i + layers_per_call] for i in range(0, len(layers), layers_per_call)]
+        self.calls = [Call(layers[i:i + layers_per_call]) for i in range(0, len(layers), layers_per_call)]
         self.head, self.final_norm = matrices[-1], model.norm.weight.detach().float()
         self.embed = model.embed_tokens.weight.detach()
         # dynamic=False: each bucket is its own specialised version; only the axes marked
@@ -2293,10 +2301,11 @@ from aie_lessons.ceilings import products_seconds
 from aie_lessons.engine.compiled_runner import (BATCH_BUCKETS, CompiledPagedRunner, compiled_engine,
                                                 compiled_step_refusal)
 from aie_lessons.engine.engine import Engine
-from aie_lessons.fast_decode import Compiler
 from aie_lessons.engine.paged_engine import paged_engine
 from aie_lessons.engine.scheduler import SchedulerConfig
+from aie_lessons.fast_decode import Compiler
 from aie_lessons.model import LlamaModel
+from aie_lessons.quantize import QuantizedLinear
 
 from typing import TYPE_CHECKING
 
@@ -2430,8 +2439,11 @@ def choose_arithmetic(model: LlamaModel, config: EngineConfig, tell: Callable[[s
     bf16 and ``config.arithmetic`` is "float32", or "auto" and bf16 products are slow here —
     then fp32, and ``tell`` hears why (the packed weights take twice the bytes). An engine of
     one request at a time has only the bucket of one row, whose ``gemv`` converts each bf16
-    weight as it reads it on any CPU: nothing to measure, no second copy in fp32."""
-    if model.embed_tokens.weight.dtype != torch.bfloat16 or config.arithmetic == "bf16" or config.max_seqs == 1:
+    weight as it reads it on any CPU: nothing to measure, no second copy in fp32. Stage 08's
+    quantized weights go through their own kernels: nothing to decide either."""
+    quantized = any(isinstance(m, QuantizedLinear) for m in model.modules())
+    if (model.embed_tokens.weight.dtype != torch.bfloat16 or config.arithmetic == "bf16" or config.max_seqs == 1
+            or quantized):
         return None
     if config.arithmetic == "float32":
         return torch.float32

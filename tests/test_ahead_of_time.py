@@ -39,16 +39,39 @@ def test_structure_names_functions_and_leaves_dynamic_sizes_open():
     assert structure((len, 1e-5)) == "(builtins.len,1e-05)"
 
 
-def test_the_step_remembers_a_bounded_number_of_argument_lists():
-    """The flat inputs of a list argument are remembered (a step's layers are passed at every
-    call), but only for the latest MEMO lists, and a list is known by identity."""
-    from aie_lessons.infra.ahead_of_time import MEMO, AheadOfTime
+def test_the_step_remembers_a_call_for_as_long_as_it_lives():
+    """The flat inputs of a ``Call`` (a step's layers) are remembered, known by identity, and
+    forgotten when the list goes: no finished request's cache is kept alive. A plain list is
+    flattened at every call."""
+    import gc
+
+    from aie_lessons.fast_decode import Call
 
     step = AheadOfTime()(lambda x, layers: x)
-    lists = [[torch.zeros(2)] for _ in range(MEMO + 5)]
-    for layers in lists:
-        assert step._flat(layers)[0][0] is layers[0]
-    assert len(step.memo) == MEMO and all(entry[0] is lists[-1 - i] for i, entry in enumerate(reversed(step.memo.values())))
+    calls = [Call([torch.zeros(2)]) for _ in range(3)]
+    for call in calls:
+        assert step._flat(call)[0][0] is call[0]
+    assert len(step.memo) == 3
+    again = step._flat(calls[1])[0]
+    assert again is step.memo[id(calls[1])][1], "a known list is not flattened again"
+    del calls[:2], call
+    gc.collect()
+    assert list(step.memo) == [id(calls[0])]
+    plain = [torch.zeros(2)]
+    step._flat(plain)
+    assert id(plain) not in step.memo
+
+
+def test_bound_methods_are_refused_before_anything_is_compiled(tmp_path):
+    """A bound method would compile its object's tensors in as constants, under a key that ignores them."""
+    class Holder:
+        weight = torch.ones(2)
+
+        def scale(self, x):
+            return x * self.weight
+
+    with pytest.raises(TypeError, match="not bound methods.*Fix: pass what the method needs as arguments"):
+        AheadOfTime(tmp_path)(Holder().scale)(torch.ones(2))
 
 
 def test_a_package_that_does_not_load_is_compiled_again(tmp_path, monkeypatch):
@@ -89,8 +112,8 @@ def test_compiled_ahead_the_step_gives_the_eager_logits(tiny_untied_dir, dtype, 
     greedy = SamplingParams(max_new_tokens=6, ignore_eos=True)
     assert list(decoder.tokens(IDS[:5], greedy)) == list(eager.tokens(IDS[:5], greedy))
     assert compiler.compiled == 3  # the layers (both calls share one structure), the head twice
-    later = AheadOfTime(tmp_path)
-    assert list(FastDecoder(model, compile=later).tokens(IDS[:5], greedy)) == list(eager.tokens(IDS[:5], greedy))
+    later = AheadOfTime(tmp_path)  # another prompt length: the position is a size, not part of the key
+    assert list(FastDecoder(model, compile=later).tokens(IDS[:3], greedy)) == list(eager.tokens(IDS[:3], greedy))
     assert later.compiled == 0 and len(later.packages) == 2
 
 

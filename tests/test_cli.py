@@ -282,11 +282,12 @@ def test_quantized_weights_run_through_the_compiled_decoder(tiny_dir, tmp_path):
 
 @pytest.mark.parametrize("argv, loop, step", [
     (("a prompt",), "engine", "auto"),
-    (("a prompt", "--quant", "int8"), "engine", "auto"),  # the kernels read int8 inside the compiled step
+    (("a prompt", "--quant", "int8"), "engine", "auto"),  # quantized weights are no reason to leave "auto"
     (("a prompt", "--max-new-tokens", "1"), "engine", "eager"),  # the prefill alone: nothing to compile
     (("x", "y"), "engine", "eager"),  # several prompts would not pay back a step compiled per batch size
     (("x", "y", "--step", "auto"), "engine", "auto"),
     (("a prompt", "--loop", "cached"), "cached", None),
+    (("a prompt", "--device", "cuda"), "engine", "eager"),  # compiled there in every run: not by default
 ])
 def test_the_default_is_the_engine_compiled_for_one_prompt(argv, loop, step):
     """One prompt or many, the engine runs; for one prompt its step is compiled where it can run

@@ -492,3 +492,57 @@ def test_negative_control_the_chi_square_test_rejects_a_wrong_distribution(hf, r
     assert torch.bincount(unfiltered, minlength=len(logits))[right == 0].sum() > 0
     # Renormalized over the kept tokens, the unfiltered softmax *is* the filtered one: only the
     # support check can catch a missing filter, which is why every test above asserts it.
+
+
+# --- the engine's batched sampler (stage 06) against stage 01's row by row ----------------------
+
+
+def _mixed_params(rng: torch.Generator, rows: int) -> list[SamplingParams]:
+    """Random per-row parameters: greedy or sampled, with or without a penalty, top-k and top-p,
+    drawn from a few values so that some rows share a group and some do not."""
+    def pick(values):
+        return values[int(torch.randint(len(values), (1,), generator=rng))]
+    return [SamplingParams(temperature=pick([0.0, 0.7, 1.0, 1.5]), top_k=pick([0, 5, 50]),
+                           top_p=pick([1.0, 0.9, 0.5]), repetition_penalty=pick([1.0, 1.3]), seed=i)
+            for i in range(rows)]
+
+
+@pytest.mark.parametrize("trial", range(20))
+def test_the_batched_sampler_draws_stage_01s_tokens(trial):
+    """Same logits, same parameters, generators seeded alike: ``sample_batch`` gives exactly the
+    tokens of ``sample_next`` row by row, for mixed batches of greedy and sampled rows."""
+    from aie_lessons.engine.sampler import sample_batch
+
+    rng = torch.Generator().manual_seed(trial)
+    rows = 1 + trial % 9
+    params = _mixed_params(rng, rows)
+    logits = torch.randn(rows, 300, generator=rng) * 4
+    histories = [torch.randint(300, (5,), generator=rng).tolist() for _ in range(rows)]
+    before = logits.clone()
+    batched = sample_batch(logits, params, [make_generator(p.seed) for p in params], histories)
+    expected = sample_next(logits[:, None], params, [make_generator(p.seed) for p in params], histories)
+    assert batched == expected, params
+    assert torch.equal(logits, before), "the caller's logits were changed"
+
+
+@pytest.mark.oracle
+def test_the_batched_sampler_follows_the_filtered_softmax_on_real_logits(hf, real_rows):
+    """Seeded draws of one real row, batched eight to a step with other rows' parameters beside
+    it: the kept tokens' counts follow transformers' filtered softmax (the race argmax(p / q) is
+    a true draw from p), and no removed token is ever drawn."""
+    from aie_lessons.engine.sampler import sample_batch
+
+    logits, history = real_slice(real_rows, 1)
+    params = SamplingParams(temperature=0.7, top_k=40, top_p=0.95, repetition_penalty=1.2, seed=3)
+    probs = expected_probs(hf, logits, history, params)
+    generator, other = make_generator(params.seed), SamplingParams(temperature=1.0, seed=9)
+    batch = [params] * 7 + [other]  # two groups in every step
+    samples = []
+    for _ in range(DRAWS // 7):
+        tokens = sample_batch(logits.expand(8, -1), batch, [generator] * 7 + [make_generator(9)], [history] * 8)
+        samples += tokens[:7]
+    counts = torch.bincount(torch.tensor(samples), minlength=len(logits))
+    kept = probs > 0
+    assert counts[~kept].sum() == 0, f"drew removed tokens {(counts * ~kept).nonzero().flatten().tolist()}"
+    p, dof = chi_square_p_value(counts[kept], probs[kept])
+    assert p > 1e-3, f"chi-square p = {p:.3g} with {dof} degrees of freedom"

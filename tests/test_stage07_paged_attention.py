@@ -190,3 +190,60 @@ def test_compiled_kernel_refuses_cpu_tensors():
     case = make_case([5])
     with pytest.raises(ValueError, match="GPU memory only"):
         paged.paged_decode_attention_triton(*case)
+
+
+# --- every prompt chunk of a step in one attention call (block_attention) -----------------------
+
+
+@pytest.mark.parametrize("budget", [64, 12])
+def test_the_prompt_chunks_of_a_step_are_one_attention_call_with_each_chunks_own_result(tiny_untied_dir, budget):
+    """Three prompts of 5, 9 and 17 tokens arriving together: with a budget of 64 one step
+    prefills all three (three chunks of different lengths in one call per layer); with 12 the
+    long prompt is cut into chunks that continue beside the others. Either way each request's
+    prefill logits are those of the model run on its prompt alone, and the greedy tokens are
+    stage 04's."""
+    from aie_lessons.cached_generate import generate_cached
+    from aie_lessons.engine.paged_engine import paged_engine
+    from aie_lessons.kv_cache import kv_cache_bytes
+    from aie_lessons.model import LlamaModel, sdpa_attention
+    from aie_lessons.sampling import SamplingParams
+    from aie_lessons.tokenizer import Tokenizer
+
+    model = LlamaModel.from_pretrained(tiny_untied_dir)
+    tokenizer = Tokenizer.from_pretrained(tiny_untied_dir)
+    calls = []
+
+    def counting(q, k, v, mask=None):
+        calls.append(tuple(q.shape))
+        return sdpa_attention(q, k, v, mask)
+
+    engine = paged_engine(model, tokenizer, max_seqs=4, token_budget=budget, block_size=4, decode="gather",
+                          kv_bytes=kv_cache_bytes(model.config, 128, 4, torch.float32), attention=counting)
+    prompts = [list(range(3, 3 + n)) for n in (5, 9, 17)]
+    params = SamplingParams(max_new_tokens=4, ignore_eos=True)
+    requests = [engine.add_request(p, params) for p in prompts]
+    prepare, run, schedules, prefills = engine.runner.prepare, engine.runner.run, [], {}
+
+    def remembering(schedule):
+        schedules.append(schedule)
+        return prepare(schedule)
+
+    def recording(batch):  # the logits of each request's first sample: its prefill's last position
+        logits = run(batch)
+        for row, chunk in zip(logits, [c for c in schedules[-1].chunks if c.samples]):
+            if not chunk.request.output_ids:
+                prefills[chunk.request.id] = row
+        return logits
+
+    engine.runner.prepare, engine.runner.run = remembering, recording
+    while engine.has_work():
+        engine.step()
+    layers = model.config.num_layers
+    if budget == 64:  # the first step: the three chunks padded to 17 queries, once per layer
+        assert calls[:layers] == [(3, model.config.num_heads, 17, model.config.head_dim)] * layers
+    with torch.no_grad():
+        for request, prompt in zip(requests, prompts):
+            alone = model(torch.tensor([prompt]))[0, -1]
+            assert (prefills[request.id] - alone).abs().max().item() <= 1e-4, request.id
+    expected = generate_cached(model, tokenizer, prompts, params)
+    assert [r.output_ids for r in requests] == [e.token_ids for e in expected]

@@ -10,7 +10,7 @@ import torch
 
 from typing import TYPE_CHECKING
 
-from aie_lessons.engine.paged_attention import gather_kv, paged_decode_attention
+from aie_lessons.engine.paged_attention import paged_decode_attention
 
 if TYPE_CHECKING:
     from aie_lessons.engine.paged_batch import PagedBatch
@@ -28,7 +28,9 @@ def gather_rows(pool: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype) -> 
 def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: PagedKVCache, layer: int,
                     batch: PagedBatch, attend: AttentionFn) -> torch.Tensor:
     """q (1, Hq, N, D), k and v (1, Hkv, N, D) of the packed tokens -> (1, Hq, N, D): the new keys
-    and values stored at their slots, then the decodes over their blocks and each chunk alone."""
+    and values stored at their slots, then the decodes over their blocks, and every prompt chunk
+    in one call of ``attend``, padded to a batch (``PagedBatch.chunk_mask``): one kernel launch
+    however many prompts are being prefilled, instead of one per chunk."""
     keys, values = cache.keys[layer], cache.values[layer]  # (num_blocks, block_size, Hkv, D), views
     keys.flatten(0, 1).index_copy_(0, batch.slots, k[0].transpose(0, 1).to(keys.dtype))  # (N, Hkv, D)
     values.flatten(0, 1).index_copy_(0, batch.slots, v[0].transpose(0, 1).to(values.dtype))
@@ -42,8 +44,9 @@ def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: Pa
             k_rows, v_rows = (gather_rows(pool, batch.decode_slots, q.dtype) for pool in (keys, values))
             rows = attend(q_rows[:, :, None], k_rows, v_rows, mask=batch.decode_mask)[:, :, 0]
         out[0, :, batch.decode_rows] = rows.transpose(0, 1)
-    for offset, length, table, end, chunk_mask in batch.chunks:  # the last `length` of `end` positions
-        span = slice(offset, offset + length)
-        out[:, :, span] = attend(q[:, :, span], gather_kv(keys, table, end)[None].to(q.dtype),
-                                 gather_kv(values, table, end)[None].to(q.dtype), mask=chunk_mask)
+    if batch.chunk_rows is not None:
+        q_chunks = q[0, :, batch.chunk_rows].transpose(0, 1)  # (C, Hq, L, D)
+        k_chunks, v_chunks = (gather_rows(pool, batch.chunk_slots, q.dtype) for pool in (keys, values))
+        rows = attend(q_chunks, k_chunks, v_chunks, mask=batch.chunk_mask).transpose(0, 1)  # (Hq, C, L, D)
+        out[0, :, batch.chunk_targets] = rows.flatten(1, 2)[:, batch.chunk_picked]
     return out

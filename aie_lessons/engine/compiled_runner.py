@@ -19,9 +19,9 @@ from aie_lessons.engine.paged_cache import blocks_for_budget, slot_pool_bytes
 from aie_lessons.engine.paged_runner import PagedModelRunner
 from aie_lessons.engine.preemption import PagedScheduler
 from aie_lessons.engine.scheduler import SchedulerConfig
-from aie_lessons.fast_decode import (Compiler, LayerInputs, MatVec, Stored, decode_head, decode_layer, gemv, layer_weights,
-                                     linear, pack_quantized, pack_weights, quantized_matvec, quantized_refusal,
-                                     step_compiler)
+from aie_lessons.fast_decode import (Call, Compiler, LayerInputs, MatVec, Stored, decode_head, decode_layer, gemv,
+                                     layer_weights, linear, pack_quantized, pack_weights, quantized_matvec,
+                                     quantized_refusal, step_compiler)
 from aie_lessons.model import AttentionFn, LlamaModel, rope_cos_sin, sdpa_attention
 from aie_lessons.output import stop_token_ids
 from aie_lessons.quantize import QuantizedLinear
@@ -165,7 +165,7 @@ class CompiledPagedRunner(PagedModelRunner):
             torch._dynamo.mark_dynamic(pool, 0)  # one compiled version for any KV budget
         layers = [(keys, values, weights.tensors())
                   for (keys, values), weights in zip(pools, layer_weights(model, matrices))]
-        self.calls = [layers[i:i + layers_per_call] for i in range(0, len(layers), layers_per_call)]
+        self.calls = [Call(layers[i:i + layers_per_call]) for i in range(0, len(layers), layers_per_call)]
         self.head, self.final_norm = matrices[-1], model.norm.weight.detach().float()
         self.embed = model.embed_tokens.weight.detach()
         # dynamic=False: each bucket is its own specialised version; only the axes marked

@@ -16,10 +16,11 @@ from aie_lessons.ceilings import products_seconds
 from aie_lessons.engine.compiled_runner import (BATCH_BUCKETS, CompiledPagedRunner, compiled_engine,
                                                 compiled_step_refusal)
 from aie_lessons.engine.engine import Engine
-from aie_lessons.fast_decode import Compiler
 from aie_lessons.engine.paged_engine import paged_engine
 from aie_lessons.engine.scheduler import SchedulerConfig
+from aie_lessons.fast_decode import Compiler
 from aie_lessons.model import LlamaModel
+from aie_lessons.quantize import QuantizedLinear
 
 from typing import TYPE_CHECKING
 
@@ -153,8 +154,11 @@ def choose_arithmetic(model: LlamaModel, config: EngineConfig, tell: Callable[[s
     bf16 and ``config.arithmetic`` is "float32", or "auto" and bf16 products are slow here —
     then fp32, and ``tell`` hears why (the packed weights take twice the bytes). An engine of
     one request at a time has only the bucket of one row, whose ``gemv`` converts each bf16
-    weight as it reads it on any CPU: nothing to measure, no second copy in fp32."""
-    if model.embed_tokens.weight.dtype != torch.bfloat16 or config.arithmetic == "bf16" or config.max_seqs == 1:
+    weight as it reads it on any CPU: nothing to measure, no second copy in fp32. Stage 08's
+    quantized weights go through their own kernels: nothing to decide either."""
+    quantized = any(isinstance(m, QuantizedLinear) for m in model.modules())
+    if (model.embed_tokens.weight.dtype != torch.bfloat16 or config.arithmetic == "bf16" or config.max_seqs == 1
+            or quantized):
         return None
     if config.arithmetic == "float32":
         return torch.float32

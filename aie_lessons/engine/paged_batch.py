@@ -13,7 +13,6 @@ from typing import TYPE_CHECKING
 from aie_lessons.engine.batch import PackedStep, chunk_inputs
 from aie_lessons.engine.block_attention import block_attention
 from aie_lessons.engine.block_manager import blocks_for
-from aie_lessons.masks import causal_mask
 
 if TYPE_CHECKING:
     from aie_lessons.engine.paged_cache import PagedKVCache
@@ -39,7 +38,16 @@ class PagedBatch(PackedStep):
     # (n, T), T the longest row, and the (n, 1, 1, T) mask of the columns each row may see.
     decode_slots: torch.Tensor | None
     decode_mask: torch.Tensor | None
-    chunks: list[tuple[int, int, torch.Tensor, int, torch.Tensor]]  # (offset, length, table, end, mask)
+    chunks: list[tuple[int, int, int]]  # (offset, length, end) of each chunk of more than one token
+    # All those chunks in one attention call, padded to a batch (None without chunks): the packed
+    # index of each chunk's tokens (C, L), L the longest chunk; the slot of each column (C, T), T
+    # the furthest end; the (C, 1, L, T) mask of what each sees; and, to put the R real rows of the
+    # flattened (C·L) result back, their positions in it and their packed indices (R,) each.
+    chunk_rows: torch.Tensor | None
+    chunk_slots: torch.Tensor | None
+    chunk_mask: torch.Tensor | None
+    chunk_picked: torch.Tensor | None
+    chunk_targets: torch.Tensor | None
     decode: str  # "paged" (read blocks through the tables) or "gather" (copy them out first)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
@@ -47,10 +55,44 @@ class PagedBatch(PackedStep):
         return block_attention(q, k, v, self.cache, layer, self, self.kernel)
 
 
+def column_slots(tables: list[list[int]], width: int, block_size: int, device: torch.device | str) -> torch.Tensor:
+    """The flat cache slot of each of ``width`` columns of each sequence (n, width), from block
+    tables padded with block 0: columns past a sequence's own land in block 0, to be masked."""
+    blocks = blocks_for(width, block_size)
+    padded = torch.tensor([table[:blocks] + [0] * (blocks - len(table[:blocks])) for table in tables],
+                          dtype=torch.long, device=device).view(len(tables), blocks)
+    columns = torch.arange(width, device=device)
+    return padded[:, columns // block_size] * block_size + columns % block_size
+
+
+def chunk_batch(chunks: list[tuple[int, int, int]], tables: list[list[int]], block_size: int,
+                device: torch.device | str) -> tuple[torch.Tensor, ...]:
+    """``PagedBatch``'s padded view of the prompt chunks, (offset, length, end) each, for one
+    attention call: rows, slots, mask, picked and targets. A chunk's query j is position
+    end - length + j and sees the columns up to itself (causal); a padding query sees column 0
+    alone, so that its softmax has something to normalise (its output is thrown away).
+
+    The price of one call: every chunk is padded to the longest chunk and the furthest end, so
+    the work is C·L·T instead of the sum of each chunk's own — small when the chunks are alike
+    (a step of new prompts), up to C times the work when one chunk continues a long prompt
+    beside short new ones. The engine's token budget bounds L; nothing bounds T."""
+    longest, furthest = max(c[1] for c in chunks), max(c[2] for c in chunks)
+    offsets, lengths, ends = (torch.tensor(values, device=device) for values in zip(*chunks))
+    j = torch.arange(longest, device=device)
+    real = j[None, :] < lengths[:, None]  # (C, L)
+    rows = torch.where(real, offsets[:, None] + j[None, :], 0)
+    position = ends[:, None] - lengths[:, None] + j[None, :]  # (C, L)
+    columns = torch.arange(furthest, device=device)
+    mask = columns[None, None, :] <= position[:, :, None]  # (C, L, T)
+    mask = torch.where(real[:, :, None], mask, columns[None, None, :] == 0)
+    picked = real.flatten().nonzero().flatten()
+    return rows, column_slots(tables, furthest, block_size, device), mask[:, None], picked, rows.flatten()[picked]
+
+
 def prepare_paged_batch(schedule: Schedule, cache: PagedKVCache, decode: str, device: torch.device | str,
                         kernel: AttentionFn) -> PagedBatch:
     """Pack a schedule's chunks (paged handles: ``chunk.kv`` is a block table)."""
-    ids, positions, slots, offsets, chunks = [], [], [], {}, []
+    ids, positions, slots, offsets, chunks, chunk_tables = [], [], [], {}, [], []
     decode_rows, decode_tables, decode_lens = [], [], []
     block_size = cache.block_size
     for chunk in schedule.chunks:
@@ -71,8 +113,8 @@ def prepare_paged_batch(schedule: Schedule, cache: PagedKVCache, decode: str, de
             decode_tables.append(table)
             decode_lens.append(end)
         else:
-            chunks.append((offset, chunk.length, torch.tensor(table, device=device), end,
-                           causal_mask(chunk.length, end, device)[None, None]))
+            chunks.append((offset, chunk.length, end))
+            chunk_tables.append(table)
     sample_rows = [offsets[id(c)] + c.length - 1 for c in schedule.chunks if c.samples]
     width = max(map(len, decode_tables), default=0)
     padded = [table + [0] * (width - len(table)) for table in decode_tables]
@@ -84,9 +126,13 @@ def prepare_paged_batch(schedule: Schedule, cache: PagedKVCache, decode: str, de
     decode_slots = decode_mask = None
     if decode == "gather" and decode_lens:
         columns = torch.arange(max(decode_lens), device=device)
-        decode_slots = tables[:, columns // block_size] * block_size + columns % block_size
+        decode_slots = column_slots(decode_tables, len(columns), block_size, device)
         decode_mask = (columns[None, :] < lens[:, None])[:, None, None, :]
+    chunk_rows, chunk_slots_, chunk_mask, chunk_picked, chunk_targets = (
+        chunk_batch(chunks, chunk_tables, block_size, device) if chunks else (None,) * 5)
     return PagedBatch(cache=cache, logits_at=tensor(sample_rows), input_ids=tensor(ids)[None],
                       positions=tensor(positions)[None], kernel=kernel, slots=tensor(slots),
                       decode_rows=tensor(decode_rows), decode_tables=tables, decode_lens=lens,
-                      decode_slots=decode_slots, decode_mask=decode_mask, chunks=chunks, decode=decode)
+                      decode_slots=decode_slots, decode_mask=decode_mask, chunks=chunks, chunk_rows=chunk_rows,
+                      chunk_slots=chunk_slots_, chunk_mask=chunk_mask, chunk_picked=chunk_picked,
+                      chunk_targets=chunk_targets, decode=decode)

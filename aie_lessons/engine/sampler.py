@@ -8,10 +8,50 @@ import torch
 
 from typing import TYPE_CHECKING
 
-from aie_lessons.sampling import make_generator, sample_next
+from aie_lessons.sampling import SamplingParams, apply_repetition_penalty, filter_top_k_top_p, make_generator
 
 if TYPE_CHECKING:
     from aie_lessons.engine.request import Request
+
+
+def sample_batch(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator],
+                 histories: list[list[int]]) -> list[int]:
+    """The next token id of every row of ``logits`` (K, vocab), fp32, row i with ``params[i]``,
+    ``generators[i]`` and ``histories[i]`` (its prompt and output, for the repetition penalty).
+
+    Stage 01's ``sample_next`` row by row, batched: the same filtering in the same arithmetic
+    (rows grouped by temperature, top-k and top-p, so each group is one call of stage 01's
+    scaling and ``filter_top_k_top_p``) and the same draw as ``torch.multinomial`` makes for one
+    token on a CPU (PyTorch's own fast path: argmax of p / q, q ~ Exp(1)) — the q of a row from
+    its own generator, rows drawing in group order — hence the same tokens, with one argmax per
+    group and one transfer of the result. Logits holding NaN or inf are refused, as
+    ``multinomial`` refuses them, rather than sampled into an arbitrary token.
+    """
+    if all(p.plain_greedy for p in params):
+        return logits.argmax(dim=-1).tolist()
+    penalised = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0]
+    if penalised:
+        logits = logits.clone()  # the caller's logits stay as they were
+        for i in penalised:  # each row's own history: the one loop over rows that stays
+            seen = torch.tensor(histories[i], dtype=torch.long, device=logits.device)
+            logits[i] = apply_repetition_penalty(logits[i], seen, params[i].repetition_penalty)
+    tokens = logits.argmax(dim=-1)  # the greedy rows' answer; the sampled rows' is written over it
+    groups: dict[tuple[float, int, float], list[int]] = {}
+    for i, p in enumerate(params):
+        if not p.greedy:
+            groups.setdefault((p.temperature, p.top_k, p.top_p), []).append(i)
+    for (temperature, top_k, top_p), rows in groups.items():
+        index = torch.tensor(rows, device=logits.device)
+        scaled = logits[index]
+        scaled = (scaled - scaled.amax(dim=-1, keepdim=True)) / temperature  # as sample_row scales
+        probs = filter_top_k_top_p(scaled, top_k, top_p).softmax(dim=-1)
+        if not torch.isfinite(probs).all():
+            raise ValueError(f"the logits of rows {rows} hold NaN or inf, so there is nothing to sample from: a "
+                             "numerical fault in the model's step (check its dtype and inputs)")
+        race = torch.stack([torch.empty_like(row).exponential_(1, generator=generators[i])
+                            for i, row in zip(rows, probs)])
+        tokens[index] = (probs / race).argmax(dim=-1)
+    return tokens.tolist()
 
 
 class Sampler:
@@ -33,5 +73,5 @@ class Sampler:
         # Only the repetition penalty reads the history: don't join prompt and output otherwise.
         histories = [r.prompt_ids + r.output_ids if r.params.repetition_penalty != 1.0 else []
                      for r in requests]
-        return sample_next(logits[:, None, :], [r.params for r in requests],
-                           [self.generators[r.id] for r in requests], histories)
+        return sample_batch(logits, [r.params for r in requests], [self.generators[r.id] for r in requests],
+                            histories)

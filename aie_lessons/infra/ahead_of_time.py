@@ -39,7 +39,9 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import importlib
 import inspect
+import marshal
 import os
 import platform
 import sys
@@ -47,6 +49,7 @@ import tempfile
 import time
 import traceback
 import warnings
+import weakref
 from pathlib import Path
 from typing import Any, Callable
 
@@ -58,7 +61,6 @@ from aie_lessons.infra.compile_cache import INDUCTOR_CACHE, INDUCTOR_CACHE_ENV, 
 # The modules whose code ends up inside a compiled step: a change to any must compile anew.
 STEP_SOURCES = ("aie_lessons.fast_decode", "aie_lessons.engine.compiled_runner", "aie_lessons.model",
                 "aie_lessons.quantize", __name__)
-MEMO = 16  # argument lists whose inputs a step remembers (see AheadOfTimeFunction._layers)
 
 
 def aot_folder() -> Path:
@@ -122,19 +124,26 @@ def structure(value: Any) -> str:
 
 
 def _function_source(function: Callable) -> bytes:
-    """The source of ``function``, or, for one typed into a notebook (no file holds it), its bytecode."""
+    """The source of ``function``, or, for one typed into a notebook (no file holds it), its code."""
     function = getattr(function, "__func__", function)
     try:
         return inspect.getsource(function).encode()
-    except (OSError, TypeError):
+    except (OSError, TypeError):  # its whole code object: the bytecode alone leaves out the constants
         code = getattr(function, "__code__", None)
-        return code.co_code if code is not None else repr(function).encode()
+        return marshal.dumps(code) if code is not None else repr(function).encode()
 
 
 def package_key(function: Callable, args: tuple[Any, ...]) -> str:
-    """A hash of everything a compiled package depends on (see the module docstring)."""
-    sources = [Path(sys.modules[name].__file__).read_bytes() for name in STEP_SOURCES if name in sys.modules]
-    sources += [_function_source(value) for value in pytree.tree_leaves(args) if callable(value)]
+    """A hash of everything a compiled package depends on (see the module docstring). An int
+    argument is a size, so its value is left out: one package serves every position."""
+    sources = [Path(importlib.import_module(name).__file__).read_bytes() for name in STEP_SOURCES]
+    functions = [value for value in pytree.tree_leaves(args) if callable(value)]
+    if any(inspect.ismethod(value) for value in (function, *functions)):
+        raise TypeError("an ahead-of-time step takes plain functions (or staticmethods), not bound methods, whose "
+                        "object's tensors would be compiled in as constants. Fix: pass what the method needs "
+                        "as arguments")
+    sources += [_function_source(value) for value in functions]
+    args = tuple("int" if _is_size(value) else value for value in args)
     # Inductor compiles for this CPU (-march=native on x86): the extensions it may use are the
     # CPU's flags, which torch reads from cpuinfo for free (inductor's own ISA check compiles
     # test programs, seconds). A cache copied to a CPU with other extensions compiles anew.
@@ -170,20 +179,29 @@ class CompileFailed(RuntimeError):
     operation AOTInductor cannot take); the first line says why, the rest where the details are."""
 
 
-def size_ranges(program: torch.export.ExportedProgram) -> str:
-    """Each dynamic size ``program`` takes, as "input.dim:low:high" joined by spaces (a
-    package's metadata holds strings): input is the position among the flat inputs."""
+def size_ranges(program: torch.export.ExportedProgram, marked: list[tuple[int, int]],
+                example: list[torch.Tensor]) -> str:
+    """The sizes ``program`` takes for each ``marked`` (input, dim) — a dimension the caller
+    marked dynamic — as "input.dim:low:high" joined by spaces (a package's metadata holds
+    strings); input is the position among the flat inputs. A marked dimension that export kept
+    fixed takes that one size, as does one whose range export does not state (a size it derives
+    from others: ``example``, the inputs it was exported with, gives the size); none takes sizes
+    0 or 1, which export would take for constants."""
     nodes = {node.name: node for node in program.graph.nodes if node.op == "placeholder"}
+    names = program.graph_signature.user_inputs
     ranges = []
-    for index, name in enumerate(program.graph_signature.user_inputs):
-        for dim, size in enumerate(nodes[name].meta["val"].shape):
-            if not isinstance(size, int):
-                bounds = program.range_constraints[size.node.expr]
-                ranges.append(f"{index}.{dim}:{int(bounds.lower)}:{int(min(bounds.upper, sys.maxsize))}")
+    for index, dim in marked:
+        size = nodes[names[index]].meta["val"].shape[dim]
+        bounds = None if isinstance(size, int) else program.range_constraints.get(size.node.expr)
+        if bounds is None:
+            low = high = example[index].shape[dim]
+        else:
+            low, high = int(bounds.lower), int(min(bounds.upper, sys.maxsize))
+        ranges.append(f"{index}.{dim}:{max(low, 2)}:{high}")
     return " ".join(ranges)
 
 
-def _compile(folder: Path, path: Path, export: Callable[[], torch.export.ExportedProgram]) -> None:
+def _compile(folder: Path, path: Path, export: Callable[[], tuple[torch.export.ExportedProgram, dict[str, str]]]) -> None:
     """Export and compile into ``path``, through a temporary file renamed at the end, so that a
     process stopped mid-way (Ctrl-C included) or a second one compiling too leaves no half file.
     A failure's whole story goes to ``failure.log`` beside it; the error says the first line."""
@@ -193,10 +211,9 @@ def _compile(folder: Path, path: Path, export: Callable[[], torch.export.Exporte
     try:
         with warnings.catch_warnings():  # PyTorch's packaging trips a deprecation of its own (LeafSpec)
             warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
-            program = export()
+            program, metadata = export()
             torch._inductor.aoti_compile_and_package(
-                program, package_path=partial, inductor_configs={"aot_inductor.metadata": {
-                    "aie_ranges": size_ranges(program), "aie_outputs": pytree.treespec_dumps(program.call_spec.out_spec)}})
+                program, package_path=partial, inductor_configs={"aot_inductor.metadata": metadata})
         os.replace(partial, path)
     except Exception as exc:  # export's and inductor's errors share no base class: each is reported
         log = folder / "failure.log"
@@ -219,7 +236,8 @@ def _load(path: Path) -> Any:
     return torch._C._aoti.AOTIModelPackageLoader(str(path), "model", False, 1, -1)
 
 
-def _package(folder: Path, key: str, export: Callable[[], torch.export.ExportedProgram]) -> tuple[Any, bool]:
+def _package(folder: Path, key: str,
+             export: Callable[[], tuple[torch.export.ExportedProgram, dict[str, str]]]) -> tuple[Any, bool]:
     """The package ``key`` from ``folder``, loaded, and whether it had to be compiled first. A
     package that does not load (a truncated or foreign file) is compiled again in its place."""
     path = folder / f"{key}.pt2"
@@ -245,6 +263,7 @@ class _Package:
     ranges: list[tuple[int, int, int, int]]
 
     def takes(self, inputs: list[torch.Tensor]) -> bool:
+        """Whether every marked size of ``inputs`` lies in the range the package was exported for."""
         return all(low <= inputs[i].shape[dim] <= high for i, dim, low, high in self.ranges)
 
     def __call__(self, inputs: list[torch.Tensor]) -> Any:
@@ -278,16 +297,22 @@ class AheadOfTime:
             return self.packages[key]
         start, path = time.perf_counter(), self.folder / f"{key}.pt2"
         module = _Flat(function, args)
-        dims = [{d: torch.export.Dim.AUTO for d in dynamic_dims(t)} or None for t in inputs[:len(inputs) - len(module.ints)]]
-        dims += [{0: torch.export.Dim.AUTO}] * len(module.ints)
+        tensors = len(inputs) - len(module.ints)
+        marked = [(i, d) for i, t in enumerate(inputs[:tensors]) for d in dynamic_dims(t)]
+        marked += [(i, 0) for i in range(tensors, len(inputs))]  # the ints' markers
+        dims: list[Any] = [None] * len(inputs)
+        for i, d in marked:
+            dims[i] = {**(dims[i] or {}), d: torch.export.Dim.AUTO}
 
-        def export() -> torch.export.ExportedProgram:
-            marked = [(t, set(t._dynamo_dynamic_indices)) for t in inputs if dynamic_dims(t)]
+        def export() -> tuple[torch.export.ExportedProgram, dict[str, str]]:
+            marks = [(t, set(t._dynamo_dynamic_indices)) for t in inputs if dynamic_dims(t)]
             try:
-                return torch.export.export(module, tuple(inputs), dynamic_shapes=(tuple(dims),))
+                program = torch.export.export(module, tuple(inputs), dynamic_shapes=(tuple(dims),))
             finally:  # export clears the marks of its example inputs, which are the caller's tensors
-                for tensor, indices in marked:
+                for tensor, indices in marks:
                     tensor._dynamo_dynamic_indices = indices
+            return program, {"aie_ranges": size_ranges(program, marked, inputs),
+                             "aie_outputs": pytree.treespec_dumps(program.call_spec.out_spec)}
 
         if self.on_compile and not self.compiled and not path.exists():
             self.on_compile()
@@ -304,28 +329,27 @@ class AheadOfTimeFunction:
     """``function`` compiled ahead of time: call it with ``function``'s arguments.
 
     Flattening a step's arguments (five layers' weights and caches: some 40 tensors) costs tens
-    of microseconds, paid at every call of every step; so the flat inputs of each list argument
-    (the step's layers) are remembered, for the ``MEMO`` lists most recently seen — a request's
-    or a runner's lists are built once and passed at every step. A remembered list is held
-    (compared by identity, never by address alone), so at most ``MEMO`` lists, and the caches
-    they hold, outlive their request.
+    of microseconds, paid at every call of every step; so what a list argument that can be
+    weakly referenced (stage 09's ``Call``: a step's layers, built once per request or runner)
+    flattens to is remembered for as long as that list lives, and forgotten with it — never
+    keeping a finished request's cache alive. Other arguments are flattened at every call.
     """
 
     def __init__(self, compiler: AheadOfTime, function: Callable):
         self.compiler, self.function = compiler, function
-        self.memo: dict[int, tuple[list, list[torch.Tensor], str]] = {}
+        self.memo: dict[int, tuple[weakref.ref, list[torch.Tensor], str]] = {}
         self.by_structure: dict[str, _Package] = {}
 
     def _flat(self, value: Any) -> tuple[list[torch.Tensor], str]:
-        """The tensors and structure of one argument, remembered for lists."""
-        if not isinstance(value, list):
+        """The tensors and structure of one argument, remembered for a list that can be weakly referenced."""
+        if not isinstance(value, list) or not hasattr(value, "__weakref__"):
             return leaves(value), structure(value)
         entry = self.memo.get(id(value))
-        if entry is None or entry[0] is not value:
-            entry = (value, leaves(value), structure(value))
-            self.memo[id(value)] = entry
-            while len(self.memo) > MEMO:
-                del self.memo[next(iter(self.memo))]
+        if entry is None or entry[0]() is not value:
+            key = id(value)
+            entry = (weakref.ref(value, lambda _, memo=self.memo, key=key: memo.pop(key, None)),
+                     leaves(value), structure(value))
+            self.memo[key] = entry
         return entry[1], entry[2]
 
     def __call__(self, *args: Any) -> Any:
