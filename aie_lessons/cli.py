@@ -321,7 +321,7 @@ def _run_engine(args: argparse.Namespace, model: LlamaModel, tokenizer: Tokenize
 
         # On the CPU ahead of time, so that later runs load it; elsewhere torch.compile, each run.
         compiler = ahead_of_time.AheadOfTime(on_compile=lambda: say_compiling(
-            f"for this model on this machine (once: about half a minute per batch size), into "
+            f"for this model on this machine (once: about a minute per batch size), into "
             f"{ahead_of_time.aot_folder()}")) if torch_device_type(args.device) == "cpu" else None
         engine = build_engine(model, tokenizer, config, on_note=note, compiler=compiler)
         _check_requests(engine, prompts, prompt_ids, params)  # a prompt that does not fit waits for no compiler
@@ -398,16 +398,15 @@ def _compiled_decoder(args: argparse.Namespace, model: LlamaModel, params: Sampl
     asked for."""
     from aie_lessons.fast_decode import FastDecoder, QuantizedFastDecoder
     from aie_lessons.infra import ahead_of_time
-    from aie_lessons.quantize import QuantizedLinear
+    from aie_lessons.quantized_checkpoint import layer_schemes
 
     def say_compiling() -> None:
         print("aie generate: compiling the decoder for this model on this machine (once: about a minute), "
               f"into {ahead_of_time.aot_folder()} ...", end="", file=sys.stderr, flush=True)
 
-    quantized = any(isinstance(m, QuantizedLinear) for m in model.modules())
     compiler = ahead_of_time.AheadOfTime(on_compile=say_compiling)
     try:
-        decoder = (QuantizedFastDecoder if quantized else FastDecoder)(model, compile=compiler)
+        decoder = (QuantizedFastDecoder if layer_schemes(model) else FastDecoder)(model, compile=compiler)
         decoder.warm_up(params)
     except (ValueError, ahead_of_time.CompileFailed) as exc:
         why = str(exc).strip().splitlines()[0]

@@ -17,6 +17,7 @@ from aie_lessons.kv_cache import KVCache, kv_cache_bytes
 from aie_lessons.model import LAST_POSITION, AttentionMetadata, LlamaModel, rms_norm, rope_cos_sin
 from aie_lessons.quantize import (INT4_KERNEL_GROUP_SIZES, QuantizedLinear, QuantScheme, kernel_fits,
                                   kernel_layout, kernel_matmul)
+from aie_lessons.quantized_checkpoint import layer_schemes
 from aie_lessons.sampling import SamplingParams, make_generator, sample_next
 
 from typing import TYPE_CHECKING
@@ -610,7 +611,7 @@ class QuantizedFastDecoder(FastDecoder):
     """
 
     def __init__(self, model: LlamaModel, compile: bool | Compiler = True, layers_per_call: int = 5):
-        if not any(isinstance(layer, QuantizedLinear) for layer in model.modules()):
+        if not layer_schemes(model):
             raise ValueError("this model has no quantized layers. Fix: quantize it with quantize_model(model, "
                              "scheme) first, or decode it with FastDecoder")
         refusal = quantized_refusal(model)

@@ -9,9 +9,9 @@ path"): the engine's decode rate at least 0.95x the decoder's, for fp32 and bf16
 stage 08's int8 and int4-g32 (read by PyTorch's CPU kernels in both).
 
 Each round runs one greedy request of ``--tokens`` tokens (EOS ignored) through each system in
-turn; a system's decode rate is its tokens after the first over the time from the first token to
-the last (the engine's steps are timed by its own ``StepStats``, the decoder's by the clock
-around each ``next()``). The median over ``--rounds`` rounds is kept and the ratio taken within
+turn; the decoder's decode rate is its tokens after the first over the time from the first token
+to the last, the engine's that of ``benchmarks/engine_decode.py`` (its decode steps after the
+first two, timed by its own ``StepStats``). The median over ``--rounds`` rounds is kept and the ratio taken within
 the run: this machine is shared and its speed drifts. With fp32 weights the greedy tokens must be
 the same; with bf16 or quantized weights the two prefills (one contiguous cache, one paged pool
 read through a masked attention call) round differently, so a near-tie may go the other way:
@@ -34,8 +34,8 @@ from aie_lessons.infra.compile_cache import use_compile_cache  # noqa: E402
 
 use_compile_cache()  # before anything imports inductor
 import torch  # noqa: E402
+from engine_decode import decode_rate  # noqa: E402  (the engine's decode rate, timed by its own StepStats)
 
-from aie_lessons.engine.engine import Engine  # noqa: E402
 from aie_lessons.engine.engine_config import EngineConfig, build_engine, compile_buckets  # noqa: E402
 from aie_lessons.fast_decode import FastDecoder, QuantizedFastDecoder  # noqa: E402
 from aie_lessons.infra.ahead_of_time import AheadOfTime  # noqa: E402
@@ -66,16 +66,6 @@ def decoder_rate(decoder: FastDecoder, prompt: list[int], params: SamplingParams
     return (len(times) - 1) / (times[-1] - times[0]), tokens
 
 
-def engine_rate(engine: Engine, prompt: list[int], params: SamplingParams) -> tuple[float, list[int]]:
-    """Decode tokens/s over the engine's decode steps (whole steps: scheduling to detokenizing), and the tokens."""
-    first = len(engine.stats)
-    request = engine.add_request(prompt, params)
-    while engine.has_work():
-        engine.step()
-    steps = [s for s in engine.stats[first:] if s.prefill_tokens == 0]
-    return len(steps) / sum(s.end - s.start for s in steps), request.output_ids
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--weights", default="fp32,bf16,int8,int4-g32")
@@ -101,7 +91,7 @@ def main() -> None:
         for _ in range(args.rounds):
             rate, expected = decoder_rate(decoder, prompt, params)
             rates["decoder"].append(rate)
-            rate, tokens = engine_rate(engine, prompt, params)
+            rate, (tokens,) = decode_rate(engine, [prompt], params)
             rates["engine"].append(rate)
         differ = next((i for i, (a, b) in enumerate(zip(tokens, expected)) if a != b), None)
         if differ is not None and weights == "fp32":

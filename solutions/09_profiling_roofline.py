@@ -865,6 +865,7 @@ from aie_lessons.kv_cache import KVCache, kv_cache_bytes
 from aie_lessons.model import LAST_POSITION, AttentionMetadata, LlamaModel, rms_norm, rope_cos_sin
 from aie_lessons.quantize import (INT4_KERNEL_GROUP_SIZES, QuantizedLinear, QuantScheme, kernel_fits,
                                   kernel_layout, kernel_matmul)
+from aie_lessons.quantized_checkpoint import layer_schemes
 from aie_lessons.sampling import SamplingParams, make_generator, sample_next
 
 
@@ -1621,7 +1622,7 @@ class QuantizedFastDecoder(FastDecoder):
     """
 
     def __init__(self, model: LlamaModel, compile: bool | Compiler = True, layers_per_call: int = 5):
-        if not any(isinstance(layer, QuantizedLinear) for layer in model.modules()):
+        if not layer_schemes(model):
             raise ValueError("this model has no quantized layers. Fix: quantize it with quantize_model(model, "
                              "scheme) first, or decode it with FastDecoder")
         refusal = quantized_refusal(model)
@@ -1763,7 +1764,7 @@ from aie_lessons.fast_decode import (Call, Compiler, LayerInputs, MatVec, Stored
                                      quantized_refusal, step_compiler)
 from aie_lessons.model import AttentionFn, LlamaModel, rope_cos_sin, sdpa_attention
 from aie_lessons.output import stop_token_ids
-from aie_lessons.quantize import QuantizedLinear
+from aie_lessons.quantized_checkpoint import layer_schemes
 
 from typing import TYPE_CHECKING
 
@@ -1955,7 +1956,7 @@ class CompiledPagedRunner(PagedModelRunner):
         self.allocator = PagedAllocator(num_blocks, block_size, prefix_caching)
         self.scratch_slot = num_blocks * block_size
         self.buckets = tuple(sorted(set(buckets)))
-        self.quantized = any(isinstance(m, QuantizedLinear) for m in model.modules())
+        self.quantized = bool(layer_schemes(model))
         if self.quantized:
             self.block, matrices = None, pack_quantized(model)
         else:
@@ -2305,7 +2306,7 @@ from aie_lessons.engine.paged_engine import paged_engine
 from aie_lessons.engine.scheduler import SchedulerConfig
 from aie_lessons.fast_decode import Compiler
 from aie_lessons.model import LlamaModel
-from aie_lessons.quantize import QuantizedLinear
+from aie_lessons.quantized_checkpoint import layer_schemes
 
 from typing import TYPE_CHECKING
 
@@ -2441,7 +2442,7 @@ def choose_arithmetic(model: LlamaModel, config: EngineConfig, tell: Callable[[s
     one request at a time has only the bucket of one row, whose ``gemv`` converts each bf16
     weight as it reads it on any CPU: nothing to measure, no second copy in fp32. Stage 08's
     quantized weights go through their own kernels: nothing to decide either."""
-    quantized = any(isinstance(m, QuantizedLinear) for m in model.modules())
+    quantized = bool(layer_schemes(model))
     if (model.embed_tokens.weight.dtype != torch.bfloat16 or config.arithmetic == "bf16" or config.max_seqs == 1
             or quantized):
         return None

@@ -24,7 +24,7 @@ from aie_lessons.fast_decode import (Call, Compiler, LayerInputs, MatVec, Stored
                                      quantized_refusal, step_compiler)
 from aie_lessons.model import AttentionFn, LlamaModel, rope_cos_sin, sdpa_attention
 from aie_lessons.output import stop_token_ids
-from aie_lessons.quantize import QuantizedLinear
+from aie_lessons.quantized_checkpoint import layer_schemes
 
 from typing import TYPE_CHECKING
 
@@ -155,7 +155,7 @@ class CompiledPagedRunner(PagedModelRunner):
         self.allocator = PagedAllocator(num_blocks, block_size, prefix_caching)
         self.scratch_slot = num_blocks * block_size
         self.buckets = tuple(sorted(set(buckets)))
-        self.quantized = any(isinstance(m, QuantizedLinear) for m in model.modules())
+        self.quantized = bool(layer_schemes(model))
         if self.quantized:
             self.block, matrices = None, pack_quantized(model)
         else:

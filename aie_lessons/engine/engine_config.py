@@ -20,7 +20,7 @@ from aie_lessons.engine.paged_engine import paged_engine
 from aie_lessons.engine.scheduler import SchedulerConfig
 from aie_lessons.fast_decode import Compiler
 from aie_lessons.model import LlamaModel
-from aie_lessons.quantize import QuantizedLinear
+from aie_lessons.quantized_checkpoint import layer_schemes
 
 from typing import TYPE_CHECKING
 
@@ -156,7 +156,7 @@ def choose_arithmetic(model: LlamaModel, config: EngineConfig, tell: Callable[[s
     one request at a time has only the bucket of one row, whose ``gemv`` converts each bf16
     weight as it reads it on any CPU: nothing to measure, no second copy in fp32. Stage 08's
     quantized weights go through their own kernels: nothing to decide either."""
-    quantized = any(isinstance(m, QuantizedLinear) for m in model.modules())
+    quantized = bool(layer_schemes(model))
     if (model.embed_tokens.weight.dtype != torch.bfloat16 or config.arithmetic == "bf16" or config.max_seqs == 1
             or quantized):
         return None
