@@ -284,10 +284,11 @@ def _run_engine(args: argparse.Namespace, model: LlamaModel, tokenizer: Tokenize
     import time
     from dataclasses import replace
 
-    from aie_lessons.engine.engine import Engine
+    from aie_lessons.engine.engine import Engine, drive
     from aie_lessons.engine.engine_config import EngineConfig, build_engine, compile_buckets, step_of
+    from aie_lessons.engine.output_processor import OutputProcessor
+    from aie_lessons.engine.outputs import RequestOutput
     from aie_lessons.engine.paged_cache import slot_pool_bytes
-    from aie_lessons.engine.request import RequestStatus
 
     from aie_lessons.infra import ahead_of_time
 
@@ -351,24 +352,25 @@ def _run_engine(args: argparse.Namespace, model: LlamaModel, tokenizer: Tokenize
     else:
         on_text = [_write]
     start = time.perf_counter()
-    requests = [engine.add_request(ids, params, on_text=stream) for ids, stream in zip(prompt_ids, on_text)]
+    processor = OutputProcessor(engine)
+    requests = [engine.add_request(ids, params) for ids in prompt_ids]
+    results = [processor.add(request, stream) for request, stream in zip(requests, on_text)]
     index = {request.id: i for i, request in enumerate(requests)}
-    finished = [r for r in requests if r.status is RequestStatus.FINISHED]  # max_new_tokens=0
-    while True:
-        for request in finished:
+
+    def show(outputs: list[RequestOutput]) -> None:
+        for request_id in processor.process(outputs):
             if printer:
-                printer.finished(index[request.id])
-        if not engine.has_work():
-            break
-        finished = engine.step()
+                printer.finished(index[request_id])
+
+    drive(engine, show)
     seconds = time.perf_counter() - start
     if args.json:
-        for request in requests:
+        for request, result in zip(requests, results):
             tpot = request.tpot
-            print(_as_json(request.result, params.seed, {
+            print(_as_json(result, params.seed, {
                 "first_token_s": request.ttft or 0.0,  # from arrival: waiting for a slot included
                 "total_s": request.latency or 0.0,
-                "tokens": len(request.result.token_ids),
+                "tokens": len(result.token_ids),
                 "decode_tokens_per_s": 1 / tpot if tpot else 0.0,
             }, "engine", step))
     elif not printer:

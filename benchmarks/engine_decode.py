@@ -37,7 +37,7 @@ import torch  # noqa: E402
 
 from aie_lessons.ceilings import products_seconds  # noqa: E402
 from aie_lessons.engine.compiled_runner import compiled_engine  # noqa: E402
-from aie_lessons.engine.engine import Engine  # noqa: E402
+from aie_lessons.engine.engine import Engine, drive  # noqa: E402
 from aie_lessons.engine.paged_engine import paged_engine  # noqa: E402
 from aie_lessons.fast_decode import decode_groups  # noqa: E402
 from aie_lessons.infra.paths import default_model_dir  # noqa: E402
@@ -53,8 +53,7 @@ def decode_rate(engine: Engine, prompts: list[list[int]], params: SamplingParams
     """Decode tokens/s over the steps in which every request decodes (the first two dropped), and the tokens."""
     first = len(engine.stats)
     requests = [engine.add_request(prompt, params) for prompt in prompts]
-    while engine.has_work():
-        engine.step()
+    drive(engine)
     decoding = [s for s in engine.stats[first:] if s.prefill_tokens == 0][2:]
     if not decoding:
         raise SystemExit("no decode steps were timed. Fix: a larger --new-tokens")

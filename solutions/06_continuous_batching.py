@@ -134,13 +134,13 @@ class Request:
     seq: int  # the order of arrival: breaks ties between equal priorities, first come first served
     prompt_ids: list[int]
     params: SamplingParams
-    stream: OutputStream  # text, stop rules and the final result (stage 01)
+    stop_ids: frozenset[int]  # tokens that end it with "eos": the model's EOS ids (none with ignore_eos)
     priority: float = 0.0
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(arrival=0.0))
     status: RequestStatus = RequestStatus.WAITING
     output_ids: list[int] = field(default_factory=list)  # every sampled token, EOS included
     num_computed: int = 0  # tokens whose keys and values are in the KV cache
-    finish_reason: str | None = None  # "eos", "stop", "length" or "abort"
+    finish_reason: str | None = None  # "eos", "length", or what ended it from outside: "stop", "abort", "error"
 
     @property
     def arrival(self) -> float:
@@ -178,10 +178,6 @@ class Request:
     def latency(self) -> float | None:
         m = self.metrics
         return None if m.finished is None else m.finished - m.arrival
-
-    @property
-    def result(self) -> GenerationResult:
-        return self.stream.result
 
 
 # %% [markdown]
@@ -842,23 +838,79 @@ class ModelRunner:
 # ## 5. The engine
 #
 # `Engine.step()` is the whole data path in five phases: schedule, prepare, run, sample,
-# postprocess. The postprocess is where requests end.
+# postprocess. The postprocess is where requests end — for the two reasons the engine can see in
+# token ids alone: the end-of-sequence token, or `max_new_tokens` reached.
 #
+# What a step *changed* leaves the engine as data, a list of `RequestOutput`s: for each request,
+# the tokens sampled for it and, once it has ended, why. Token ids, not text. Turning ids into
+# text and watching for stop strings (`"stop": ["\n\n"]`) is the **consumer's** job: the
+# caller's loop here, the HTTP handler in stage 10. vLLM splits its engine the same way (its
+# engine core returns token ids; a detokenizer in the front end makes the text), so that the
+# thread that runs the model does nothing but compute, and a consumer that finds a stop string
+# ends its request with `engine.abort(request_id, "stop")`.
+#
+# ```
+#   engine thread                                         consumer
+#   ─────────────                                         ────────
+#   step() ─► [RequestOutput(id, (token,), None), …] ───► text += detokenize(token); stop string?
+#             ends: EOS ("eos"), max_new_tokens ("length")    └─► engine.abort(id, "stop")
+# ```
+
+# %%
+# export: engine.outputs
+"""What a step changed, as data: the only thing the engine tells the world outside it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """One request's news from one step: the tokens sampled for it (one here; none when it was
+    only ended) and, once it has ended, why — "eos", "length", or from outside: "stop" (a
+    consumer found a stop string), "abort", "error".
+
+    Token ids, not text: detokenizing and stop strings are the consumer's work, so that a server's
+    engine thread only computes (stage 10 makes the text on its event loop)."""
+
+    request_id: str
+    token_ids: tuple[int, ...] = ()
+    finish_reason: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(frozen=True)
+class EngineLoad:
+    """How busy an engine is now: what a server's gauges and its admission rule read."""
+
+    running: int  # requests holding KV
+    waiting: int  # requests waiting for their first KV (or, from stage 07, to get it back)
+    kv_used: int  # KV units in use: slots here, blocks from stage 07
+    requests: int  # requests the engine keeps a record of, until ``forget``
+
+
+# %% [markdown]
 # ### Exercise 6.4 — the postprocess
 #
 # Complete `postprocess(schedule, tokens, scheduler, now)`. `tokens` holds one sampled token per
-# chunk that *samples*, in the schedule's order. For every chunk, in order:
+# chunk that *samples*, in the schedule's order; the schedule itself is only read. When it
+# returns:
 #
-# * the request's `num_computed` advances past the chunk (the model has now stored its keys and
-#   values);
-# * if the chunk samples: append its token to the request's `output_ids`, stamp
-#   `metrics.first_token` if this is its first, and push the token to its `stream` (stage 01's
-#   `OutputStream`, which applies EOS, stop strings and `max_new_tokens`). `stream.push` returns
-#   True once the request is finished; then end the request through the scheduler's `finish`
-#   (with the reason the stream gives, `request.result.finish_reason`) — which frees its KV — and
-#   collect it.
-#
-# Return the requests finished this step.
+# * every scheduled request's `num_computed` counts its chunk as stored in the KV cache;
+# * every sampling chunk's token is the last of its request's `output_ids` (every sampled token
+#   goes there, EOS included), and `metrics.first_token` is the time of the request's first
+#   sampled token — `now` for one sampled now, still `None` while nothing has been sampled;
+# * a request whose new token is one of its `stop_ids` has ended with reason `"eos"` (even when
+#   it was also the last token allowed); otherwise one that now holds `params.max_new_tokens`
+#   output tokens has ended with `"length"`. A request ends through
+#   `scheduler.finish(request, reason, now)`, which takes it out of the batch, frees its KV and
+#   marks it finished;
+# * the return value is a list of one `RequestOutput` per sampling chunk, in the schedule's
+#   order: the request's id, its new token (a 1-tuple), and the reason it ended, or `None`.
 
 # %%
 # export: engine.engine
@@ -870,19 +922,19 @@ import itertools
 import math
 import operator
 import time
-import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import torch
 
 
-def postprocess(schedule: Schedule, tokens: list[int], scheduler: Scheduler, now: float) -> list[Request]:
-    """Advance every scheduled request; append sampled tokens; end (and free) the finished ones."""
-    finished: list[Request] = []
-    # BEGIN EXERCISE 6.4: advance every request; give each sampling chunk its token (append, first-token time, stream) and finish requests whose stream is done
+def postprocess(schedule: Schedule, tokens: list[int], scheduler: Scheduler, now: float) -> list[RequestOutput]:
+    """Advance every scheduled request, give each sampling chunk its token, and end (and free)
+    the requests that reached EOS or ``max_new_tokens``. Returns what changed, as data."""
+    outputs: list[RequestOutput] = []
+    # BEGIN EXERCISE 6.4: advance every request; give each sampling chunk its token, end the requests at EOS or max_new_tokens, and return one RequestOutput per sampling chunk
     # Hint 1: The tokens line up with the sampling chunks only, not with all chunks: a prefill chunk that stops short of its prompt's end produced no token. Every chunk did move its request forward, though, and a request that is done must give its KV back in the same step.
-    # Hint 2: Keep an iterator over the tokens. For each chunk: add its length to num_computed; skip it unless it samples; take the next token, append it, set first_token when it was still None, and if stream.push(token) is True call scheduler.finish with the stream's finish reason and add the request to the list.
+    # Hint 2: Walk every chunk once, keeping your place in the tokens separately (an iterator). A chunk that does not sample only moves its request forward. For one that samples, decide the reason (if any) from the token just added and the output's new length, then end the request through the scheduler before recording its output.
     sampled = iter(tokens)
     for chunk in schedule.chunks:
         request = chunk.request
@@ -893,16 +945,18 @@ def postprocess(schedule: Schedule, tokens: list[int], scheduler: Scheduler, now
         request.output_ids.append(token)
         if request.metrics.first_token is None:
             request.metrics.first_token = now
-        if request.stream.push(token):
-            scheduler.finish(request, request.result.finish_reason, now)
-            finished.append(request)
+        reason = ("eos" if token in request.stop_ids
+                  else "length" if len(request.output_ids) >= request.params.max_new_tokens else None)
+        if reason is not None:
+            scheduler.finish(request, reason, now)
+        outputs.append(RequestOutput(request.id, (token,), reason))
     # END EXERCISE 6.4
-    return finished
+    return outputs
 
 
 # %%
 # Check exercise 6.4
-checks.stage06.check_postprocess(postprocess, Scheduler, SchedulerConfig, ScheduledChunk, Schedule)
+checks.stage06.check_postprocess(postprocess, Scheduler, SchedulerConfig, ScheduledChunk, Schedule, RequestOutput)
 
 # %% [markdown]
 # Each step records a `StepStats`: the seconds of each phase (wall-clock, for the Python
@@ -1030,7 +1084,13 @@ class UnknownRequestError(KeyError):
 
 
 class Engine:
-    """Continuous batching over a runner (the real model, or the simulator's scripted one)."""
+    """Continuous batching over a runner (the real model, or the simulator's scripted one).
+
+    Token ids in, ``RequestOutput``s out: ``step()`` returns what changed. Text and stop strings
+    are the consumer's (an ``OutputProcessor``, or a server's queues): the engine never reads
+    ``params.stop``. One thread adds, aborts and steps; ``check_request`` and ``load`` may be
+    called from others (they change nothing).
+    """
 
     def __init__(self, runner: Runner, tokenizer: Tokenizer, stop_ids: set[int],
                  config: SchedulerConfig = SchedulerConfig(),
@@ -1046,8 +1106,7 @@ class Engine:
         self.requests: dict[str, Request] = {}
         self.stats = StepLog(stats_capacity)  # the latest steps' StepStats
         self._seq = itertools.count()
-        self._stepping = False
-        self._ends: list[tuple[Request, str]] = []  # ends asked for during a step, applied after it
+        self._ended: list[RequestOutput] = []  # ends between steps (abort, max_new_tokens=0): the next step reports them
 
     @classmethod
     def from_model(cls, model: LlamaModel, tokenizer: Tokenizer, max_seqs: int = 16, token_budget: int = 256,
@@ -1074,8 +1133,7 @@ class Engine:
         return prompt_ids
 
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams = SamplingParams(),
-                    priority: float = 0.0, request_id: str | None = None,
-                    on_text: Callable[[str], None] | None = None) -> Request:
+                    priority: float = 0.0, request_id: str | None = None) -> Request:
         """Queue a prompt (text or token ids); refuse bad input before anything changes."""
         if isinstance(priority, bool) or not isinstance(priority, (int, float)) or not math.isfinite(priority):
             raise ValueError(f"priority={priority!r} must be a finite number (larger is more urgent)")
@@ -1086,43 +1144,24 @@ class Engine:
         seq = next(self._seq)
         if request_id is None:  # the first free "rN": a caller may have named one of them already
             request_id = next(f"r{n}" for n in itertools.count(seq) if f"r{n}" not in self.requests)
-        on_text = on_text and self._guarded(request_id, on_text)
-        stream = OutputStream(self.tokenizer, prompt_ids, params, self.stop_ids, on_text)
+        stop_ids = frozenset() if params.ignore_eos else frozenset(self.stop_ids)
         now = self.clock()
-        request = Request(request_id, seq, prompt_ids, params, stream, priority, RequestMetrics(arrival=now))
+        request = Request(request_id, seq, prompt_ids, params, stop_ids, priority, RequestMetrics(arrival=now))
         self.requests[request_id] = request
-        if stream.finished:  # max_new_tokens=0: nothing to compute
+        if params.max_new_tokens == 0:  # nothing to compute: ended at once, reported by the next step
             self.scheduler.finish(request, "length", now)
+            self._ended.append(RequestOutput(request_id, (), "length"))
         else:
             self.scheduler.add(request)
             self.sampler.add(request)
         return request
 
-    def _guarded(self, request_id: str, on_text: Callable[[str], None]) -> Callable[[str], None]:
-        """The caller's callback, made safe: if it raises, its own request ends, never the engine."""
-        def call(text: str) -> None:
-            try:
-                on_text(text)
-            except Exception as exc:  # a client's bug must not disturb the other requests
-                warnings.warn(f"on_text of request {request_id!r} raised {type(exc).__name__}: {exc}; "
-                              "that request is ended with finish_reason 'error'")
-                self._end(self.requests[request_id], "error")
-        return call
-
-    def _end(self, request: Request, reason: str) -> None:
-        """Finish a request for the engine's own reasons (abort, a failed callback). During a step
-        (a callback may call abort) it waits for the step's end: the postprocess owns the request."""
-        if self._stepping:
-            self._ends.append((request, reason))
-            return
-        if request.status is not RequestStatus.FINISHED:
-            self.scheduler.finish(request, reason, self.clock())
-            request.result.finish_reason = reason
-            self.sampler.remove(request.id)
-
-    def abort(self, request_id: str) -> bool:
-        """End a request and free its KV (at the end of the step, if one is running); False if it had
-        already finished."""
+    def abort(self, request_id: str, reason: str = "abort") -> bool:
+        """End a request and free its KV; its final ``RequestOutput`` comes with the next step.
+        ``reason``: "abort" (its client left), "stop" (its consumer found a stop string) or "error".
+        False if it had already ended."""
+        if reason not in ("abort", "stop", "error"):
+            raise ValueError(f"reason={reason!r}: an end from outside the engine is 'abort', 'stop' or 'error'")
         request = self.requests.get(request_id)
         if request is None:
             known = ", ".join(list(self.requests)[-5:]) or "none yet"
@@ -1130,61 +1169,172 @@ class Engine:
                                       "abort an id that add_request returned")
         if request.status is RequestStatus.FINISHED:
             return False
-        self._end(request, "abort")
+        self.scheduler.finish(request, reason, self.clock())
+        self.sampler.remove(request_id)
+        self._ended.append(RequestOutput(request_id, (), reason))
         return True
 
-    def has_work(self) -> bool:
-        return self.scheduler.has_work()
+    def forget(self, request_id: str) -> None:
+        """Drop an ended request from ``requests`` once its end has been reported (a server runs
+        for weeks); its id is free again."""
+        request = self.requests.get(request_id)
+        if request is None:
+            raise UnknownRequestError(f"no request with id {request_id!r}. Fix: forget an id that add_request returned")
+        if request.status is not RequestStatus.FINISHED or any(o.request_id == request_id for o in self._ended):
+            raise ValueError(f"request {request_id!r} has not ended, or its end is not reported yet: forget it "
+                             "after the step whose outputs say it finished")
+        del self.requests[request_id]
 
-    def step(self) -> list[Request]:
-        """One iteration: schedule, prepare, run, sample, postprocess. Returns the requests that
-        finished in it (aborted ones included); an idle engine does nothing."""
-        if not self.has_work():
-            return []
+    def load(self) -> EngineLoad:
+        return EngineLoad(len(self.scheduler.running), len(self.scheduler.waiting), self.runner.allocator.used,
+                          len(self.requests))
+
+    def has_work(self) -> bool:
+        """A step would compute something, or report an end."""
+        return self.scheduler.has_work() or bool(self._ended)
+
+    def step(self) -> list[RequestOutput]:
+        """One iteration: schedule, prepare, run, sample, postprocess. Returns what changed: one
+        ``RequestOutput`` per request that got a token or ended (ends since the last step first)."""
+        if not self.scheduler.has_work():
+            ended, self._ended = self._ended, []
+            return ended
         start, t0 = self.clock(), time.perf_counter()
-        self._stepping = True
-        try:
-            schedule = self.scheduler.schedule()
-            if not schedule.chunks:  # with work waiting, an empty step would repeat forever
-                raise RuntimeError(f"the scheduler scheduled nothing although {len(self.scheduler.waiting)} "
-                                   f"requests wait and {len(self.scheduler.running)} run: check schedule()")
-            t1 = time.perf_counter()
-            batch = self.runner.prepare(schedule)
-            t2 = time.perf_counter()
-            logits = self.runner.run(batch)
-            t3 = time.perf_counter()
-            tokens = self.sampler.sample(logits, [c.request for c in schedule.sampling])
-            t4 = time.perf_counter()
-            finished = postprocess(schedule, tokens, self.scheduler, self.clock())
-        finally:
-            self._stepping = False
-        for request in finished:
-            self.sampler.remove(request.id)
-        ends, self._ends = self._ends, []
-        for request, reason in ends:
-            if request.status is not RequestStatus.FINISHED:
-                self._end(request, reason)
-                finished.append(request)
+        schedule = self.scheduler.schedule()
+        if not schedule.chunks:  # with work waiting, an empty step would repeat forever
+            raise RuntimeError(f"the scheduler scheduled nothing although {len(self.scheduler.waiting)} "
+                               f"requests wait and {len(self.scheduler.running)} run: check schedule()")
+        t1 = time.perf_counter()
+        batch = self.runner.prepare(schedule)
+        t2 = time.perf_counter()
+        logits = self.runner.run(batch)
+        t3 = time.perf_counter()
+        tokens = self.sampler.sample(logits, [c.request for c in schedule.sampling])
+        t4 = time.perf_counter()
+        outputs = postprocess(schedule, tokens, self.scheduler, self.clock())
+        finished = [o.request_id for o in outputs if o.finished]
+        for request_id in finished:
+            self.sampler.remove(request_id)
+        ended, self._ended = self._ended, []  # only now: a step that raised reports them next time
         t5 = time.perf_counter()
         self.stats.append(StepStats(
             len(self.stats), start, self.clock(), t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4,
             schedule.prefill_tokens, schedule.decode_rows, len(self.scheduler.running),
             len(self.scheduler.waiting), self.runner.allocator.used, [r.id for r in schedule.admitted],
             [r.id for r in schedule.preempted],
-            [(c.request.id, c.start, c.length) for c in schedule.chunks], [r.id for r in finished]))
-        return finished
+            [(c.request.id, c.start, c.length) for c in schedule.chunks], finished))
+        return ended + outputs
 
     def generate(self, prompts: Sequence[str | Sequence[int]],
                  params: SamplingParams | Sequence[SamplingParams] = SamplingParams()) -> list[GenerationResult]:
-        """Run prompts to completion; results in the prompts' order. Every prompt is checked first."""
+        """Run prompts to completion; results (text included) in the prompts' order. Every prompt is
+        checked first."""
         if isinstance(prompts, str):
             raise TypeError("generate takes a list of prompts. Fix: generate([prompt]) for one")
         params = params_per_row(params, len(prompts))
         prompt_ids = [self.check_request(prompt, p) for prompt, p in zip(prompts, params)]  # all, first
-        requests = [self.add_request(ids, p) for ids, p in zip(prompt_ids, params)]
-        while self.has_work():
-            self.step()
-        return [r.result for r in requests]
+        processor = OutputProcessor(self)
+        results = [processor.add(self.add_request(ids, p)) for ids, p in zip(prompt_ids, params)]
+        drive(self, processor.process)
+        return results
+
+
+def drive(engine: Engine, on_outputs: Callable[[list[RequestOutput]], object] = lambda outputs: None,
+          before_step: Callable[[], object] | None = None,
+          when_idle: Callable[[], bool] | None = None) -> None:
+    """Step ``engine`` and hand each step's outputs to ``on_outputs``, until it has nothing to do.
+
+    Every loop that runs the engine is this one: ``before_step`` lets requests in (arrivals, an
+    inbox) and ``when_idle``, called when there is nothing to step, waits for more and says
+    whether to go on (a server sleeps until a request comes; a simulation moves its clock)."""
+    while True:
+        if before_step is not None:
+            before_step()
+        if engine.has_work():
+            on_outputs(engine.step())
+        elif when_idle is None or not when_idle():
+            return
+
+
+# %% [markdown]
+# On the consumer's side each request has stage 01's `OutputStream` — the same text, stop
+# strings and `GenerationResult` as every loop before — fed from the outputs of each step. When
+# a stream stops at a stop string, which the engine cannot see, the consumer ends the request
+# there with `abort(id, "stop")`; a step may already have sampled one more token for it, and
+# the stream drops it. `drive` is the one loop that runs an engine: `generate` above, the command
+# line, the benchmarks, the simulator below and stage 10's server all step through it.
+
+# %%
+# export: engine.output_processor
+"""The consumer's side of the engine: token ids to text, stop strings, and each request's result."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+
+
+def read_output(stream: OutputStream, output: RequestOutput) -> str:
+    """Feed one step's output to its request's ``OutputStream``; return the text it added.
+
+    An end the stream's own rules did not make (abort, error) is recorded on it. Tokens that
+    arrive after the stream has finished are dropped: the consumer found a stop string while the
+    engine, which cannot see text, had already sampled on."""
+    before = len(stream.result.text)
+    for token in output.token_ids:
+        if stream.finished or stream.push(token):
+            break
+    if output.finished and not stream.finished:
+        stream.result.finish_reason = output.finish_reason
+        stream.finished = True
+    return stream.result.text[before:]
+
+
+class OutputProcessor:
+    """Text for the requests of one engine: each followed request's ``OutputStream``, fed by the
+    outputs of ``step()``. It ends at the engine the requests whose text reached a stop string."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self.streams: dict[str, OutputStream] = {}  # the requests followed and not yet final
+        self._failed: set[str] = set()  # requests whose on_text raised during this batch of outputs
+
+    def add(self, request: Request, on_text: Callable[[str], None] | None = None) -> GenerationResult:
+        """Follow a request the engine has accepted; its result fills in as the steps run.
+        ``on_text`` gets each new piece of text; if it raises, its request alone ends ("error")."""
+        stream = OutputStream(self.engine.tokenizer, request.prompt_ids, request.params, set(request.stop_ids),
+                              on_text and self._guarded(request.id, on_text))
+        self.streams[request.id] = stream
+        return stream.result
+
+    def _guarded(self, request_id: str, on_text: Callable[[str], None]) -> Callable[[str], None]:
+        def call(text: str) -> None:
+            try:
+                on_text(text)
+            except Exception as exc:  # a client's bug must not disturb the other requests
+                warnings.warn(f"on_text of request {request_id!r} raised {type(exc).__name__}: {exc}; "
+                              "that request is ended with finish_reason 'error'")
+                self._failed.add(request_id)
+        return call
+
+    def process(self, outputs: list[RequestOutput]) -> list[str]:
+        """Feed one step's outputs. Returns the ids of the requests whose result is now final."""
+        final = []
+        for output in outputs:
+            stream = self.streams.get(output.request_id)
+            if stream is None:  # not followed here, or already final (a stop string's last token)
+                continue
+            read_output(stream, output)
+            if output.request_id in self._failed:
+                self._failed.discard(output.request_id)
+                stream.on_text = None
+                stream.result.finish_reason, stream.finished = "error", True
+            if stream.finished:
+                if not output.finished:  # ended here, not by the engine: the engine must stop it too
+                    self.engine.abort(output.request_id, stream.result.finish_reason)
+                del self.streams[output.request_id]
+                final.append(output.request_id)
+        return final
 
 
 # %% [markdown]
@@ -1206,6 +1356,21 @@ for ids, got, want in zip(prompt_ids, results, oracle):
     print(f"{len(ids):>2} prompt tokens -> {len(got.token_ids)} tokens, same as stage 04: "
           f"{got.token_ids == want.token_ids}  {got.text[:40]!r}")
 assert all(got.token_ids == want.token_ids for got, want in zip(results, oracle))
+
+# %% [markdown]
+# What the engine tells its consumer is data. Here is every step's list of `RequestOutput`s for
+# one request with a stop string: the engine samples token after token, and only the consumer,
+# which reads the text, sees the stop string — its `abort(id, "stop")` ends the request, whose
+# last output then reports the end with no new token.
+
+# %%
+engine_demo = Engine.from_model(model, tokenizer, max_seqs=2, token_budget=64, max_len=128)
+processor = OutputProcessor(engine_demo)
+request = engine_demo.add_request("The capital of France is", SamplingParams(max_new_tokens=24, stop=(".",)))
+text = processor.add(request)
+drive(engine_demo, lambda outputs: print(outputs, "->", processor.process(outputs) or ""))
+print(f"text {text.text!r}, finish_reason {text.finish_reason!r}; the engine sampled {len(request.output_ids)} "
+      f"tokens, the text holds {len(text.token_ids)}")
 
 # %% [markdown]
 # What happened, step by step: which chunks ran (`id[start:end]`), who was admitted and who
@@ -1338,24 +1503,34 @@ def simulate(arrivals: list[Arrival], config: SchedulerConfig, cost: StepCost = 
         runner.allocator = allocator
     engine = Engine(runner, ScriptTokenizer(), {0}, config, clock, scheduler_class)
     order = sorted(range(len(arrivals)), key=lambda i: arrivals[i].time)
-    aborts = aborts or {}
-    step = 0
-    while order or engine.has_work():
+    aborts = {} if aborts is None else aborts  # the caller's own dict: it may add to it as the run goes
+    applied: set[int] = set()  # step numbers whose aborts have happened
+
+    def let_in() -> None:
         while order and arrivals[order[0]].time <= clock.now:
             i = order.pop(0)
             a = arrivals[i]
             prompt = list(a.prompt) if a.prompt is not None else [1] * a.prompt_len
             engine.add_request(prompt, SamplingParams(max_new_tokens=a.output_len, ignore_eos=True),
                                priority=a.priority, request_id=f"r{i}")
-        for request_id in aborts.get(step, []):
-            engine.abort(request_id)
-        if engine.has_work():
-            engine.step()
-            step += 1
-            if after_step:
-                after_step(engine)
-        elif order:  # idle until the next arrival
+        if len(engine.stats) not in applied:
+            applied.add(len(engine.stats))
+            for request_id in aborts.get(len(engine.stats), []):
+                engine.abort(request_id)
+
+    def next_arrival() -> bool:  # idle: move the clock to the next arrival, if there is one
+        if order:
             clock.now = arrivals[order[0]].time
+        return bool(order)
+
+    steps = [0]
+
+    def after(outputs: list[RequestOutput]) -> None:  # only after a step that ran, not one that only reported ends
+        if after_step and len(engine.stats) > steps[0]:
+            after_step(engine)
+        steps[0] = len(engine.stats)
+
+    drive(engine, after, let_in, next_arrival)
     return engine
 
 
@@ -1540,15 +1715,18 @@ def run_workload(engine: Engine, workload: list[tuple[list[int], SamplingParams]
     start (all at once by default) — and summarize. The engine's clock must be wall-clock seconds."""
     start, first_step = time.perf_counter(), len(engine.stats)
     pending, requests = list(workload), []
-    while pending or engine.has_work():
-        elapsed = time.perf_counter() - start
-        while pending and len(requests) * gap <= elapsed:
+
+    def let_in() -> None:
+        while pending and len(requests) * gap <= time.perf_counter() - start:
             prompt, params = pending.pop(0)
             requests.append(engine.add_request(prompt, params))
-        if engine.has_work():
-            engine.step()
-        elif pending:  # idle until the next arrival
-            time.sleep(len(requests) * gap - elapsed)
+
+    def next_arrival() -> bool:  # idle: sleep until the next arrival, if there is one
+        if pending:
+            time.sleep(max(len(requests) * gap - (time.perf_counter() - start), 0.0))
+        return bool(pending)
+
+    drive(engine, before_step=let_in, when_idle=next_arrival)
     seconds = time.perf_counter() - start
     itl = [s.end - s.start for s in engine.stats[first_step:] for _ in range(s.decode_rows)]
     return RunSummary(seconds, sum(len(r.output_ids) for r in requests), [r.ttft for r in requests],
@@ -1625,14 +1803,17 @@ plt.show()
 
 # %%
 engine = Engine.from_model(model, tokenizer, max_seqs=2, token_budget=32, max_len=64)
+processor = OutputProcessor(engine)
 survivor = engine.add_request("Once upon a time", SamplingParams(max_new_tokens=8))
-engine.step()
+survivor_text = processor.add(survivor)
+processor.process(engine.step())
 bad_calls = {
     "a prompt longer than a slot": lambda: engine.add_request([1] * 60, SamplingParams(max_new_tokens=8)),
     "an empty prompt": lambda: engine.add_request([], SamplingParams()),
     "a negative temperature": lambda: engine.add_request("hi", SamplingParams(temperature=-1.0)),
     "params that are not SamplingParams": lambda: engine.add_request("hi", {"max_new_tokens": 5}),
     "aborting an unknown id": lambda: engine.abort("nope"),
+    "ending a request with a reason only the engine gives": lambda: engine.abort(survivor.id, "length"),
 }
 for what, bad in bad_calls.items():
     try:
@@ -1640,9 +1821,8 @@ for what, bad in bad_calls.items():
         print(f"{what}: accepted?!")
     except (PromptError, SamplingParamsError, UnknownRequestError, ValueError) as exc:
         print(f"{what}: {type(exc).__name__}: {exc}")
-while engine.has_work():
-    engine.step()
-print("the running request finished normally:", survivor.finish_reason, repr(survivor.result.text))
+drive(engine, processor.process)
+print("the running request finished normally:", survivor.finish_reason, repr(survivor_text.text))
 
 # %% [markdown]
 # ## Summary
@@ -1652,6 +1832,8 @@ print("the running request finished normally:", survivor.finish_reason, repr(sur
 #   by effective priority with aging, and KV freed the step a request ends.
 # * One packed forward pass serves prefill chunks and decodes together; only attention looks at
 #   rows separately, over each request's own slot of the cache.
+# * `step()` answers with data — a `RequestOutput` per request that got a token or ended; text
+#   and stop strings are the consumer's, and `drive` is the one loop every caller runs.
 # * The same engine runs on a script, so its decisions can be traced and tested exactly.
 #
 # The slot cache wastes memory: every slot is as long as the longest request could ever be.

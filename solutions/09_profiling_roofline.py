@@ -2069,6 +2069,7 @@ def compiled_engine(model: LlamaModel, tokenizer: Tokenizer, max_seqs: int = Sch
 
 # %%
 # NBVAL_IGNORE_OUTPUT
+from aie_lessons.engine.engine import drive
 from aie_lessons.engine.paged_runner import PagedModelRunner
 
 ENGINE_ROWS = (1, 4, 16)
@@ -2080,8 +2081,7 @@ def decode_rate(engine, running: int) -> tuple[float, list[list[int]]]:
     """Decode tokens/s of ``engine`` serving the first ``running`` prompts together, and their tokens."""
     first_step = len(engine.stats)
     requests = [engine.add_request(prompt, engine_params) for prompt in engine_prompts[:running]]
-    while engine.has_work():
-        engine.step()
+    drive(engine)
     decoding = [s for s in engine.stats[first_step:] if s.prefill_tokens == 0][2:]
     return (sum(s.decode_rows for s in decoding) / sum(s.total_s for s in decoding),
             [r.output_ids for r in requests])

@@ -23,7 +23,7 @@
 #
 # ```
 #   client ──HTTP──► event loop (FastAPI, uvicorn) ──submit──► inbox ──► engine thread: Engine.step()
-#      ▲              one handler per request                               │ on_text, finished
+#      ▲              one handler per request                               │ RequestOutputs (ids)
 #      └──── SSE ◄──── sse_stream (10.1) ◄──── TokenQueue (per request) ◄───┘
 #                      admission (10.2): 503 + Retry-After when the waiting queue is full
 #                      drain (10.3): on SIGTERM, finish what was accepted, then exit
@@ -65,10 +65,13 @@ from dataclasses import dataclass
 import torch
 
 from aie_lessons import checks
-from aie_lessons.engine.engine import Engine
+from aie_lessons.engine.engine import Engine, drive
+from aie_lessons.engine.output_processor import read_output
+from aie_lessons.engine.outputs import RequestOutput
 from aie_lessons.engine.paged_engine import paged_engine
 from aie_lessons.infra.paths import default_model_dir
 from aie_lessons.model import LlamaModel
+from aie_lessons.output import OutputStream
 from aie_lessons.sampling import SamplingParams
 from aie_lessons.tokenizer import Tokenizer
 
@@ -103,8 +106,11 @@ tokenizer = Tokenizer.from_pretrained(MODEL_DIR)
 #
 # Where do the events come from? The engine runs on a thread of its own (section 3); the
 # request's handler runs on the server's event loop. Each request has a `TokenQueue` between the
-# two: the engine thread `put`s an `Event` into it for every piece of text and one last event
-# that says why the request ended (`finish_reason`) and how many tokens it used.
+# two: the engine thread `put`s each `RequestOutput` of the request into it (token ids: stage 06's
+# engine only computes), and the handler reads `Event`s out of it — the queue turns the ids into
+# text on the event loop with the request's `OutputStream` (stage 06's `read_output`), so a
+# stop string is found there, and ends the request at the engine through `on_stop`. The last
+# event says why the request ended (`finish_reason`) and how many tokens it used.
 
 # %%
 # export: server.token_queue
@@ -113,13 +119,13 @@ tokenizer = Tokenizer.from_pretrained(MODEL_DIR)
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
 class Event:
-    """What the engine thread tells a request's handler: a piece of text, or the end (``final``).
+    """What a request's handler reads: a piece of text, or the end (``final``).
 
     The last event carries the usage (tokens in and out) and why the request ended —
     "eos", "stop", "length", "abort" (a client left, or the server stopped) or "error" (the
@@ -138,35 +144,60 @@ class Event:
 
 
 class TokenQueue:
-    """A request's events: ``put`` from the engine thread, ``events()`` on the event loop.
+    """A request's outputs, ``put`` by the engine thread; its ``events()``, read on the event loop.
 
     ``asyncio.Queue`` belongs to its event loop and is not thread-safe: a ``put_nowait`` from
     another thread would change it behind the loop's back and, worse, would not wake a loop that
     is waiting for the network, so the event would sit there until something else happened.
     ``call_soon_threadsafe`` hands the ``put_nowait`` to the loop itself and wakes it.
+
+    Text is made on the loop's side, from the request's ``OutputStream``, as soon as an output
+    arrives — not when the handler reads it, which a slow client delays: the engine thread only
+    computes, and a stop string ends the request at once. ``on_stop`` is called once when the
+    stream stops at a stop string the engine cannot see (it ends the request there).
     """
 
-    def __init__(self, loop: asyncio.AbstractEventLoop):
+    def __init__(self, loop: asyncio.AbstractEventLoop, stream: OutputStream,
+                 on_stop: Callable[[], object] = lambda: None):
         self.loop = loop
+        self.stream = stream
+        self.on_stop = on_stop
         self.queue: asyncio.Queue[Event] = asyncio.Queue()
+        self._ended = False  # the final event is queued: later outputs (the engine's echo of a stop) are dropped
 
-    def put(self, event: Event) -> bool:
-        """Called on the engine thread: never blocks it (the queue has no bound). False if the
-        event loop has closed — the process is exiting, and nobody is left to read the event.
+    def put(self, output: RequestOutput, error: str | None = None) -> bool:
+        """Called on the engine thread: never blocks it (the queue has no bound). ``error`` says
+        what went wrong when the engine thread ends the request with "error". False if the event
+        loop has closed — the process is exiting, and nobody is left to read the output.
 
         Asking ``loop.is_closed()`` first and then putting would race: the loop can close in
         between, and the put would raise on the engine thread. So the put is tried, and the one
         error a closed loop gives is told apart from any other by asking after it."""
         try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
+            self.loop.call_soon_threadsafe(self._receive, output, error)
         except RuntimeError:
             if not self.loop.is_closed():
                 raise
             return False
         return True
 
+    def _receive(self, output: RequestOutput, error: str | None) -> None:
+        """On the event loop, the moment an output arrives: its text, as events."""
+        if self._ended:
+            return
+        text = read_output(self.stream, output)
+        if not self.stream.finished:
+            if text:
+                self.queue.put_nowait(Event(text=text))
+            return
+        self._ended = True
+        if not output.finished:  # a stop string: the engine, which sees no text, goes on until told
+            self.on_stop()
+        result = self.stream.result
+        self.queue.put_nowait(Event(text, result.finish_reason, len(result.prompt_ids), len(result.token_ids), error))
+
     async def events(self) -> AsyncIterator[Event]:
-        """The events in order, up to and including the final one."""
+        """The request's events in order, up to and including the final one."""
         while True:
             event = await self.queue.get()
             yield event
@@ -347,9 +378,9 @@ checks.stage10.check_admission(admission)
 #   ──────────                               ─────────────
 #   submit(prompt) ─► inbox (deque) ───────► take the inbox: add_request / abort
 #        │  admission (10.2)                 step(): schedule, run, sample, postprocess
-#        ▼                                    │ on_text(text) ─► TokenQueue.put(Event(text))
-#   await queue.events() ◄─────────────────── │ finished      ─► TokenQueue.put(final Event)
-#                                            idle: sleep until the inbox has something
+#        ▼                                    │ each RequestOutput ─► TokenQueue.put(output)
+#   await queue.events() ◄─────────────────── │ (token ids; the last one says why it ended)
+#   (token ids ─► text, stop strings)        idle: sleep until the inbox has something
 # ```
 #
 # Only the engine thread touches the engine: the loop talks to it through the inbox (a `deque`,
@@ -466,8 +497,9 @@ def metric_value(text: str, name: str, labels: str = "") -> float | None:
 
 
 # %% [markdown]
-# The `AsyncEngine` below is the bridge. It is given code, but read `_run`: it is the whole
-# life of the engine thread in a dozen lines — take the inbox, step, deliver, sleep when idle.
+# The `AsyncEngine` below is the bridge. It is given code, but read `_run`: the whole life of the
+# engine thread is one call of stage 06's `drive` — take the inbox before each step, deliver each
+# step's outputs to their queues, sleep when idle.
 # `submit` is the other side: it checks the request (a bad prompt is refused before it reaches
 # the thread), applies your admission rule, and returns the request's `TokenQueue`.
 
@@ -485,9 +517,10 @@ import uuid
 from collections import deque
 from collections.abc import Sequence
 
-from aie_lessons.engine.engine import Engine
-from aie_lessons.engine.request import Request, RequestStatus
-from aie_lessons.engine.step_log import StepStats
+from aie_lessons.engine.engine import Engine, drive
+from aie_lessons.engine.outputs import RequestOutput
+from aie_lessons.engine.request import Request
+from aie_lessons.output import OutputStream
 from aie_lessons.sampling import SamplingParams
 
 log = logging.getLogger("aie.server")
@@ -533,8 +566,9 @@ class AsyncEngine:
         self._wake = threading.Event()
         self._stopping = False
         self._queues: dict[str, TokenQueue] = {}  # accepted and not yet ended
-        self._last_text: dict[str, float] = {}  # when each stream last got text: inter-token latency
-        self._counted: dict[str, int] = {}  # output tokens already counted in the metrics, per request
+        self._requests: dict[str, Request] = {}  # in the engine and not yet ended: their metrics' source
+        self._last_token: dict[str, float] = {}  # when each request last got a token: inter-token latency
+        self._steps_seen = len(engine.stats)  # engine steps whose batch size is in the metrics (warm-up's not)
         self._finish_times: deque[float] = deque()
         self._started = time.monotonic()
         self._thread = threading.Thread(target=self._run, name=f"aie-{name}", daemon=True)
@@ -551,7 +585,7 @@ class AsyncEngine:
         scheduler holds more back (KV memory is short). A request that has just been accepted into
         a free place counts as running, though the engine thread may not have taken it yet: so
         the admission rule sees the same queue however quick the thread happens to be."""
-        return max(self.in_flight() - self.engine.config.max_seqs, len(self.engine.scheduler.waiting))
+        return max(self.in_flight() - self.engine.config.max_seqs, self.engine.load().waiting)
 
     def in_flight(self) -> int:
         """Requests accepted and not yet ended (waiting or running): what a drain waits for."""
@@ -583,14 +617,17 @@ class AsyncEngine:
             if refusal is not None:
                 self.metrics.rejected.labels("draining" if not self.admitting else "queue_full").inc()
                 raise Overloaded(refusal)
-            request_id, queue = uuid.uuid4().hex, TokenQueue(self.loop)
+            request_id = uuid.uuid4().hex
+            stream = OutputStream(self.engine.tokenizer, prompt_ids, params, self.engine.stop_ids)
+            queue = TokenQueue(self.loop, stream, on_stop=lambda: self.abort(request_id, "stop"))
             self._queues[request_id] = queue
             self._send(("add", request_id, prompt_ids, params))
         return request_id, queue
 
-    def abort(self, request_id: str) -> None:
-        """End a request (its client left): its KV is freed at the end of the current step."""
-        self._send(("abort", request_id))
+    def abort(self, request_id: str, reason: str = "abort") -> None:
+        """End a request — its client left ("abort"), or its text reached a stop string ("stop"):
+        its KV is freed before the engine's next step."""
+        self._send(("abort", request_id, reason))
 
     def abort_all(self) -> list[str]:
         """End every request in flight (a drain past its deadline): each one's client gets a final
@@ -620,103 +657,94 @@ class AsyncEngine:
     # --- the engine thread ---------------------------------------------------------------
 
     def _run(self) -> None:
+        """The engine thread's whole life: stage 06's ``drive``, fed from the inbox before each step,
+        each step's outputs delivered, asleep while idle; on its way out, every request still held
+        gets its final event."""
         try:
-            while True:
-                self._wake.clear()  # before reading the inbox: a message sent after this wakes us
-                self._take_inbox()
-                self._gauges()
-                if self.engine.has_work():
-                    steps = len(self.engine.stats)
-                    finished = self.engine.step()
-                    self._deliver(finished, self.engine.stats[-1] if len(self.engine.stats) > steps else None)
-                elif self._stopping:
-                    return
-                else:
-                    self._wake.wait()
+            drive(self.engine, self._deliver, self._take_inbox, self._idle)
         except Exception as exc:  # the engine is broken: the finally tells every request it held
             log.exception("the engine failed")
             self.error = exc
         finally:
             with self._lock:  # from here on submit refuses: nobody would read the inbox
                 self._closed = True
-            end = (Event(finish_reason="error", error=f"{type(self.error).__name__}: {self.error}") if self.error
-                   else Event(finish_reason="abort"))
+            reason, error = ("error", f"{type(self.error).__name__}: {self.error}") if self.error else ("abort", None)
             try:
                 for request_id in list(self._queues):
-                    self._end(request_id, end)
+                    self._end(request_id, RequestOutput(request_id, (), reason), error)
             finally:
                 self.metrics.forget_engine(self.gauges)
 
+    def _idle(self) -> bool:
+        """Nothing to step: end the thread if it is stopping, else sleep until a message comes."""
+        if self._stopping:
+            return False
+        self._wake.wait()
+        return True
+
     def _take_inbox(self) -> None:
+        self._wake.clear()  # before reading the inbox: a message sent after this wakes the thread
         while self._inbox:
             kind, request_id, *rest = self._inbox.popleft()
             if kind == "add":
                 prompt_ids, params = rest
-                queue = self._queues[request_id]
                 try:
-                    request = self.engine.add_request(prompt_ids, params, request_id=request_id,
-                                                      on_text=lambda text, r=request_id, q=queue: self._text(r, q, text))
+                    self._requests[request_id] = self.engine.add_request(prompt_ids, params, request_id=request_id)
                 except Exception as exc:  # this request cannot run (its sampler refused it): it alone ends
                     log.warning("request refused by the engine", extra={"fields": {"error": str(exc)}})
-                    self._end(request_id, Event(finish_reason="error", error=f"{type(exc).__name__}: {exc}"))
-                    continue
-                if request.status is RequestStatus.FINISHED:  # max_new_tokens=0: ended at once
-                    self._finished(request)
-            elif request_id in self.engine.requests and self.engine.abort(request_id):
-                self._finished(self.engine.requests[request_id])  # outside a step: ended (and freed) now
+                    self._end(request_id, RequestOutput(request_id, (), "error"), f"{type(exc).__name__}: {exc}")
+            elif request_id in self._requests:  # its end comes out of the next step
+                self.engine.abort(request_id, *rest)
             # otherwise the request has ended already and its client has its final event
+        self._gauges()
 
-    def _text(self, request_id: str, queue: TokenQueue, text: str) -> None:
-        now = time.perf_counter()
-        last = self._last_text.get(request_id)
-        if last is not None:
-            self.metrics.itl.observe(now - last)
-        self._last_text[request_id] = now
-        queue.put(Event(text=text))
-
-    def _deliver(self, finished: list[Request], stats: StepStats | None) -> None:
-        """After a step: its metrics (``stats``: the step's own), then the finished requests' final events."""
-        metrics, requests = self.metrics, self.engine.requests
-        if stats is not None:
-            metrics.batch.observe(len(stats.chunks))
-            for request_id in {chunk[0] for chunk in stats.chunks}:  # tokens sampled in this step
-                request = requests[request_id]
-                metrics.generated_tokens.inc(len(request.output_ids) - self._counted.get(request_id, 0))
-                self._counted[request_id] = len(request.output_ids)
-        for request in finished:
-            self._finished(request)
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        """After a step: each output to its request's queue, and the metrics of what the step did."""
+        metrics, now = self.metrics, time.perf_counter()
+        if len(self.engine.stats) > self._steps_seen:  # a step ran (not only ends reported)
+            self._steps_seen = len(self.engine.stats)
+            metrics.batch.observe(len(self.engine.stats[-1].chunks))
+        for output in outputs:
+            if output.token_ids:
+                metrics.generated_tokens.inc(len(output.token_ids))
+                last = self._last_token.get(output.request_id)
+                if last is not None:
+                    metrics.itl.observe(now - last)
+                self._last_token[output.request_id] = now
+            if output.finished:
+                self._finished(output)
+            elif output.request_id in self._queues:
+                self._queues[output.request_id].put(output)
 
     def _gauges(self) -> None:
         """Running, waiting and KV in use, as of now: read before each step and before the thread
         sleeps, so that an abort with no step after it shows too."""
-        self.gauges.running.set(len(self.engine.scheduler.running))
+        load = self.engine.load()
+        self.gauges.running.set(load.running)
         self.gauges.waiting.set(self.waiting())
-        self.gauges.kv_used.set(self.engine.runner.allocator.used)
-        self.gauges.tracked.set(len(self.engine.requests) + len(self._queues) + len(self._last_text)
-                                + len(self._counted))
+        self.gauges.kv_used.set(load.kv_used)
+        self.gauges.tracked.set(load.requests + len(self._requests) + len(self._queues) + len(self._last_token))
 
-    def _finished(self, request: Request) -> None:
-        """A request the engine ended: its final event, its metrics, and the engine forgets it."""
-        metrics = self.metrics
-        self._end(request.id, Event(finish_reason=request.finish_reason, prompt_tokens=len(request.prompt_ids),
-                                    completion_tokens=len(request.result.token_ids)))
+    def _finished(self, output: RequestOutput) -> None:
+        """A request the engine ended: its final output, its metrics, and the engine forgets it."""
+        metrics, request = self.metrics, self._requests.pop(output.request_id)
+        self._end(request.id, output)
         if request.ttft is not None:
             metrics.ttft.observe(request.ttft)
         if request.latency is not None:
             metrics.e2e.observe(request.latency)
         metrics.prompt_tokens.inc(len(request.prompt_ids))
-        metrics.finished.labels(request.finish_reason).inc()
-        self._counted.pop(request.id, None)
-        del self.engine.requests[request.id]  # a server runs for weeks: forget what has ended
+        metrics.finished.labels(output.finish_reason).inc()
+        self.engine.forget(request.id)  # a server runs for weeks: forget what has ended
 
-    def _end(self, request_id: str, event: Event) -> None:
+    def _end(self, request_id: str, output: RequestOutput, error: str | None = None) -> None:
         queue = self._queues.pop(request_id, None)
-        self._last_text.pop(request_id, None)
+        self._last_token.pop(request_id, None)
         self._finish_times.append(time.monotonic())
         while len(self._finish_times) > 1000:
             self._finish_times.popleft()
         if queue is not None:
-            queue.put(event)
+            queue.put(output, error)
 
 
 # %% [markdown]

@@ -9,9 +9,12 @@ import threading
 import pytest
 
 from aie_lessons.engine.engine import Engine, StepStats
+from aie_lessons.engine.outputs import RequestOutput
 from aie_lessons.engine.paged_engine import paged_engine
+from aie_lessons.engine.simulator import ScriptTokenizer
 from aie_lessons.engine.step_log import StepLog
 from aie_lessons.model import LlamaModel
+from aie_lessons.output import OutputStream
 from aie_lessons.sampling import SamplingParams
 from aie_lessons.server.async_engine import AsyncEngine, EngineFailed, Overloaded
 from aie_lessons.server.metrics import ServerMetrics, metric_value
@@ -67,10 +70,10 @@ def test_a_put_after_the_loop_closed_is_refused_quietly():
     """The engine thread may end a request while the process exits: put says False, and never
     raises on the engine thread (asking is_closed first would leave a window for that)."""
     loop = asyncio.new_event_loop()
-    queue = TokenQueue(loop)
-    assert queue.put(Event(text="a")) is True
+    queue = TokenQueue(loop, script_stream())
+    assert queue.put(RequestOutput("r", (5,))) is True
     loop.close()
-    assert queue.put(Event(finish_reason="abort")) is False
+    assert queue.put(RequestOutput("r", (), "abort")) is False
 
 
 def test_a_put_that_fails_for_another_reason_still_raises():
@@ -82,7 +85,44 @@ def test_a_put_that_fails_for_another_reason_still_raises():
             return False
 
     with pytest.raises(RuntimeError, match="a bug"):
-        TokenQueue(BrokenLoop()).put(Event(text="a"))
+        TokenQueue(BrokenLoop(), script_stream()).put(RequestOutput("r", (5,)))
+
+
+def script_stream(**params) -> OutputStream:
+    """A request's stream over the simulator's tokenizer: token i reads " i", 0 is the EOS."""
+    return OutputStream(ScriptTokenizer(), [1, 2], SamplingParams(**params), {0})
+
+
+def test_the_queue_makes_the_text_and_stops_the_engine_at_a_stop_string():
+    """Token ids in, text out, on the event loop: a stop string found there calls on_stop once,
+    ends the events with "stop", and an output the engine sent meanwhile is dropped."""
+    async def main() -> list[Event]:
+        stops = []
+        queue = TokenQueue(asyncio.get_running_loop(), script_stream(max_new_tokens=10, stop=(" 7",)),
+                           on_stop=lambda: stops.append(1))
+        for output in [RequestOutput("r", (5,)), RequestOutput("r", (6,)), RequestOutput("r", (7,)),
+                       RequestOutput("r", (8,)), RequestOutput("r", (), "stop")]:
+            queue.put(output)
+        events = [event async for event in queue.events()]
+        assert stops == [1]
+        return events
+
+    events = asyncio.run(main())
+    assert [e.text for e in events] == [" 5", " 6", ""] and events[-1].finish_reason == "stop"
+    assert (events[-1].prompt_tokens, events[-1].completion_tokens) == (2, 3)
+
+
+def test_an_end_from_the_engine_thread_carries_its_error():
+    async def main() -> list[Event]:
+        queue = TokenQueue(asyncio.get_running_loop(), script_stream(max_new_tokens=10))
+        queue.put(RequestOutput("r", (5,)))
+        queue.put(RequestOutput("r", (), "error"), "RuntimeError: a broken kernel")
+        return [event async for event in queue.events()]
+
+    events = asyncio.run(main())
+    assert [e.text for e in events] == [" 5", ""]
+    assert (events[-1].finish_reason, events[-1].error, events[-1].completion_tokens) == (
+        "error", "RuntimeError: a broken kernel", 1)
 
 
 @pytest.mark.parametrize("when", ["draining", "stopped", "failed"])
@@ -158,3 +198,20 @@ def test_two_engines_keep_gauges_of_their_own(tiny):
         assert metric_value(metrics.render().decode(), "aie_kv_blocks_total") is None
 
     asyncio.run(main())
+
+
+def test_a_stop_string_stops_the_engine_before_the_handler_reads():
+    """A slow client must not keep its request generating: the text is made as outputs arrive."""
+    async def main() -> None:
+        stops = []
+        queue = TokenQueue(asyncio.get_running_loop(), script_stream(max_new_tokens=40, stop=(" 6",)),
+                           on_stop=lambda: stops.append(1))
+        queue.put(RequestOutput("r", (5,)))
+        queue.put(RequestOutput("r", (6,)))
+        await asyncio.sleep(0.05)  # nobody reads the events yet
+        assert stops == [1]
+        queue.put(RequestOutput("r", (7,)))  # sampled before the engine heard of the stop: dropped
+        events = [event async for event in queue.events()]
+        assert [e.text for e in events] == [" 5", ""] and events[-1].finish_reason == "stop"
+
+    asyncio.run(asyncio.wait_for(main(), timeout=30))

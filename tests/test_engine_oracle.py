@@ -111,6 +111,11 @@ def run_engine(engine: Engine, prompts: Sequence[list[int]], arrivals: Sequence[
     return requests
 
 
+def generated(request: Request) -> list[int]:
+    """A request's tokens as its consumer's result has them: an EOS that ended it is not output."""
+    return request.output_ids[:-1] if request.finish_reason == "eos" else list(request.output_ids)
+
+
 # The KV memories an engine can run on: stage 06's slots, and stage 07's blocks (small blocks, so
 # that the prompts of 5 to 19 tokens cross block boundaries), read by gathering or in place.
 KV_KINDS = ["slots", "blocks, gathered", "blocks, in place"]
@@ -173,7 +178,7 @@ def test_engine_greedy_tokens_do_not_depend_on_the_batch(real_model, tokenizer, 
     requests = run_engine(engine, [r.prompt_ids for r in references], scenario.arrivals,
                           [GREEDY] * len(references))
     for index, reference in enumerate(references):
-        assert_tokens(requests[index].result.token_ids, reference, f"engine, {name}, prompt {index}")
+        assert_tokens(generated(requests[index]), reference, f"engine, {name}, prompt {index}")
     # The scenario really ran what its name says (read from the chunks, not from StepStats' counts).
     chunks = [[(start, length, len(engine.requests[rid].prompt_ids)) for rid, start, length in s.chunks]
               for s in engine.stats]
@@ -204,7 +209,7 @@ def test_seeded_sampling_does_not_depend_on_the_batch(real_model, tokenizer, ref
     for name, (max_seqs, token_budget, arrivals) in runs.items():
         engine = make_engine(kind, real_model, tokenizer, max_seqs, token_budget)
         for index, request in run_engine(engine, prompts, arrivals, SAMPLED).items():
-            got = request.result.token_ids
+            got = generated(request)
             assert got == expected[index], f"{name}, prompt {index}: {got} vs stage 04's {expected[index]}"
 
 
@@ -216,7 +221,7 @@ def test_manual_attention_gives_the_sdpa_tokens(real_model, tokenizer, reference
     engine = make_engine(kind, real_model, tokenizer, 2, 7, attention=manual_attention)
     requests = run_engine(engine, [r.prompt_ids for r in chosen], all_at_once([0, 1]), [GREEDY] * 2)
     for index, reference in enumerate(chosen):
-        assert_tokens(requests[index].result.token_ids, reference, f"engine with attention=manual_attention, prompt {index}")
+        assert_tokens(generated(requests[index]), reference, f"engine with attention=manual_attention, prompt {index}")
     assert real_model.attention is not manual_attention
 
 
@@ -244,7 +249,7 @@ def test_bf16_engine_agrees_with_stage04_in_bf16(real_model_dir, tokenizer, refe
         assert decisive >= 4, f"prompt {index}: only {decisive} decisive steps; pick a prompt further from ties"
         assert_greedy_agrees(stage04[index].token_ids, reference.token_ids, reference.logits, torch.bfloat16)
         request = requests[index]
-        assert_greedy_agrees(request.result.token_ids, reference.token_ids, reference.logits, torch.bfloat16)
+        assert_greedy_agrees(generated(request), reference.token_ids, reference.logits, torch.bfloat16)
         # Up to and including the first non-decisive step, the engine saw fp32's tokens: its
         # logits there are the same positions' logits, rounded.
         ours = torch.stack(rows[request.id])[:decisive + 1]
@@ -262,7 +267,7 @@ def test_step_stats_on_the_real_model(real_model, tokenizer, references):
     chosen = [references[0], references[2]]
     params = SamplingParams(max_new_tokens=4)
     engine = Engine.from_model(real_model, tokenizer, max_seqs=2, token_budget=5, max_len=MAX_LEN)
-    tokens = [r.result.token_ids for r in
+    tokens = [generated(r) for r in
               run_engine(engine, [r.prompt_ids for r in chosen], all_at_once([0, 1]), [params] * 2).values()]
     for stats in engine.stats:
         assert stats.run_s > 0 and stats.overhead_s > 0, stats
@@ -294,13 +299,13 @@ def test_preempted_and_resumed_equals_uninterrupted(real_model, tokenizer, refer
     requests = run_engine(engine, prompts, all_at_once([0, 1, 2, 3]), [GREEDY] * 4)
     assert engine.scheduler.num_preemptions > 0, "the pool was large enough: nothing was preempted"
     for index, reference in enumerate(references):
-        assert_tokens(requests[index].result.token_ids, reference, f"preempting engine ({decode}), prompt {index}")
+        assert_tokens(generated(requests[index]), reference, f"preempting engine ({decode}), prompt {index}")
     assert engine.runner.allocator.used == 0
     sampled = tight_engine(real_model, tokenizer, decode)
     expected = [r.token_ids for r in generate_cached(real_model, tokenizer, prompts, SAMPLED)]
     got = run_engine(sampled, prompts, [(0, 3), (0, 2), (2, 1), (3, 0)], SAMPLED)
     assert sampled.scheduler.num_preemptions > 0
-    assert [got[i].result.token_ids for i in range(4)] == expected
+    assert [generated(got[i]) for i in range(4)] == expected
 
 
 def test_prefix_cache_hit_equals_miss(real_model, tokenizer, references):
@@ -314,7 +319,7 @@ def test_prefix_cache_hit_equals_miss(real_model, tokenizer, references):
         engine = paged_engine(real_model, tokenizer, max_seqs=4, token_budget=256, block_size=16,
                               prefix_caching=caching)
         requests = run_engine(engine, prompts, [(0, 0), (1, 1), (1, 2), (2, 3)], [GREEDY] * 4)
-        runs[caching] = (engine, [requests[i].result.token_ids for i in range(4)])
+        runs[caching] = (engine, [generated(requests[i]) for i in range(4)])
     for caching, (engine, tokens) in runs.items():
         assert tokens == expected, f"prefix_caching={caching}: {tokens} vs stage 04's {expected}"
     computed = {caching: sum(s.prefill_tokens for s in e.stats) for caching, (e, _) in runs.items()}

@@ -14,13 +14,16 @@ from collections import Counter, defaultdict
 
 import pytest
 
-from aie_lessons.engine.engine import Engine, StepStats, UnknownRequestError
+from aie_lessons.engine.engine import Engine, StepStats, UnknownRequestError, drive
+from aie_lessons.engine.output_processor import OutputProcessor
+from aie_lessons.engine.outputs import EngineLoad, RequestOutput
 from aie_lessons.engine.request import Request, RequestStatus
 from aie_lessons.engine.scheduler import SchedulerConfig
 from aie_lessons.engine.simulator import (Arrival, ScriptedRunner, ScriptTokenizer, SimClock, StepCost,
                                           simulate, trace)
 from aie_lessons.generate import ContextLengthError, PromptError
 from aie_lessons.model import LlamaModel
+from aie_lessons.output import GenerationResult
 from aie_lessons.sampling import SamplingParams, SamplingParamsError
 from aie_lessons.tokenizer import Tokenizer
 
@@ -139,11 +142,10 @@ def check_run(engine: Engine, arrivals: list[Arrival], aborts: dict[int, list[st
         assert len(r.output_ids) == sampled and r.output_ids == scripted_tokens(r, sampled)
         if r.finish_reason == "abort":
             assert r.id in targeted and len(r.output_ids) < a.output_len and finished[r.id] == 0
-            assert r.result.finish_reason == "abort" and r.result.token_ids == r.output_ids
             outcomes["waiting" if r.metrics.first_scheduled is None else "running"] += 1
         else:
-            assert r.finish_reason == r.result.finish_reason == "length", f"{r.id}: {r.finish_reason}"
-            assert r.result.token_ids == scripted_tokens(r, a.output_len), f"{r.id}: incomplete output"
+            assert r.finish_reason == "length", f"{r.id}: {r.finish_reason}"
+            assert r.output_ids == scripted_tokens(r, a.output_len), f"{r.id}: incomplete output"
             assert r.num_computed == (a.prompt_len + a.output_len - 1 if a.output_len else 0)
             assert finished[r.id] == (1 if a.output_len else 0), f"{r.id} finished {finished[r.id]} times"
             if r.id in targeted:
@@ -334,7 +336,7 @@ def test_a_long_prompt_is_prefilled_in_chunks_and_decodes_go_first():
         [("r0", 10, 1)],
     ]
     long = engine.requests["r1"]
-    assert long.metrics.first_token == engine.stats[3].end and long.result.token_ids == scripted_tokens(long, 3)
+    assert long.metrics.first_token == engine.stats[3].end and long.output_ids == scripted_tokens(long, 3)
 
 
 def test_max_seqs_caps_the_running_requests_and_a_freed_slot_is_refilled_at_once():
@@ -389,8 +391,7 @@ def tiny_engine(tiny: tuple[LlamaModel, Tokenizer]) -> Engine:
 
 
 def run_to_end(engine: Engine) -> None:
-    while engine.has_work():
-        engine.step()
+    drive(engine)
 
 
 def test_bad_calls_are_refused_clearly_and_leave_a_running_request_untouched(tiny):
@@ -432,8 +433,8 @@ def test_bad_calls_are_refused_clearly_and_leave_a_running_request_untouched(tin
         assert engine.scheduler.waiting == [] and engine.runner.allocator.used == 1
     assert str(UnknownRequestError("no request")) == "no request"  # no KeyError quotes around the message
     run_to_end(engine)
-    assert survivor.finish_reason == "length" and survivor.result.token_ids == reference.result.token_ids
-    assert len(survivor.result.token_ids) == SURVIVOR.max_new_tokens
+    assert survivor.finish_reason == "length" and survivor.output_ids == reference.output_ids
+    assert len(survivor.output_ids) == SURVIVOR.max_new_tokens
 
 
 def test_max_new_tokens_zero_finishes_at_once_and_takes_no_slot(tiny):
@@ -441,9 +442,10 @@ def test_max_new_tokens_zero_finishes_at_once_and_takes_no_slot(tiny):
     _, tokenizer = tiny
     request = engine.add_request(tokenizer.encode("hello world"), SamplingParams(max_new_tokens=0))
     assert request.status is RequestStatus.FINISHED and request.finish_reason == "length"
-    assert request.result.token_ids == [] and request.result.finish_reason == "length"
-    assert not engine.has_work() and engine.runner.allocator.used == 0 and len(engine.stats) == 0
+    assert engine.runner.allocator.used == 0
     assert engine.abort(request.id) is False  # already finished: nothing to abort
+    assert engine.step() == [RequestOutput(request.id, (), "length")]  # its end, reported once, computing nothing
+    assert not engine.has_work() and engine.step() == [] and len(engine.stats) == 0
 
 
 def test_engine_numbers_requests_around_ids_given_by_the_caller(tiny):
@@ -465,19 +467,50 @@ def scripted_engine(max_seqs: int = 4, token_budget: int = 16) -> Engine:
 
 def test_streamed_text_is_the_result_text_in_a_mixed_batch():
     engine = scripted_engine()
-    streamed: dict[str, str] = defaultdict(str)
-    requests = [engine.add_request([1] * n, SamplingParams(max_new_tokens=m, ignore_eos=True),
-                                   on_text=lambda text, i=i: streamed.__setitem__(i, streamed[i] + text))
-                for i, (n, m) in enumerate([(3, 5), (20, 2), (7, 9)])]
-    while engine.has_work():
-        engine.step()
-    assert [streamed[i] for i in range(3)] == [r.result.text for r in requests]
-    assert all(r.result.text for r in requests)
+    processor = OutputProcessor(engine)
+    streamed: dict[int, str] = defaultdict(str)
+    results = [processor.add(engine.add_request([1] * n, SamplingParams(max_new_tokens=m, ignore_eos=True)),
+                             on_text=lambda text, i=i: streamed.__setitem__(i, streamed[i] + text))
+               for i, (n, m) in enumerate([(3, 5), (20, 2), (7, 9)])]
+    drive(engine, processor.process)
+    assert [streamed[i] for i in range(3)] == [r.text for r in results]
+    assert [r.text for r in results] == [" 1 2 3 4 5", " 2 3", " 3 4 5 6 7 8 9 10 11"]
+
+
+def test_step_returns_what_changed_as_data():
+    """One output per sampled token, each request's end reported exactly once, in the step it
+    happened: the engine's whole answer, with no text in it."""
+    engine = scripted_engine(max_seqs=2, token_budget=4)
+    short = engine.add_request([1] * 3, SamplingParams(max_new_tokens=2, ignore_eos=True))
+    long = engine.add_request([1] * 6, SamplingParams(max_new_tokens=3, ignore_eos=True))
+    steps = []
+    drive(engine, steps.append)
+    assert steps[0] == [RequestOutput(short.id, (1,), None)]  # the long prompt's first chunk samples nothing
+    flat = [o for outputs in steps for o in outputs]
+    for request in (short, long):
+        mine = [o for o in flat if o.request_id == request.id]
+        assert [t for o in mine for t in o.token_ids] == request.output_ids
+        assert [o.finish_reason for o in mine] == [None] * (len(mine) - 1) + ["length"]
+    assert all(len(o.token_ids) == 1 for o in flat)
+
+
+def test_a_stop_string_found_by_the_consumer_ends_the_request_at_the_engine():
+    engine = scripted_engine()
+    processor = OutputProcessor(engine)
+    other = engine.add_request([1] * 3, SamplingParams(max_new_tokens=6, ignore_eos=True))
+    stopped = engine.add_request([1] * 3, SamplingParams(max_new_tokens=50, ignore_eos=True, stop=(" 4",)))
+    results = [processor.add(other), processor.add(stopped)]
+    drive(engine, processor.process)
+    assert results[1].text == " 2 3" and results[1].finish_reason == "stop"
+    assert stopped.finish_reason == "stop" and stopped.output_ids == [2, 3, 4]  # no token after the stop
+    assert results[0].finish_reason == "length" and len(other.output_ids) == 6
+    assert engine.runner.allocator.used == 0 and not engine.has_work()
 
 
 def test_a_raising_callback_ends_its_own_request_only():
-    def run(bad: bool) -> tuple[list[list[int]], Request]:
+    def run(bad: bool) -> tuple[list[list[int]], Request, GenerationResult]:
         engine = scripted_engine()
+        processor = OutputProcessor(engine)
         calls = []
 
         def explode(text: str) -> None:
@@ -485,32 +518,100 @@ def test_a_raising_callback_ends_its_own_request_only():
             raise RuntimeError("client went away")
 
         others = [engine.add_request([1] * 4, SamplingParams(max_new_tokens=6, ignore_eos=True)) for _ in range(2)]
-        victim = engine.add_request([1] * 4, SamplingParams(max_new_tokens=6, ignore_eos=True),
-                                    on_text=explode if bad else None)
+        victim = engine.add_request([1] * 4, SamplingParams(max_new_tokens=6, ignore_eos=True))
+        result = processor.add(victim, on_text=explode if bad else None)
         with pytest.warns(UserWarning, match="client went away") if bad else contextlib.nullcontext():
-            while engine.has_work():
-                engine.step()
+            drive(engine, processor.process)
         assert not bad or len(calls) == 1  # the callback is not called again after it raised
-        return [r.output_ids for r in others], victim
+        return [r.output_ids for r in others], victim, result
 
-    clean, _ = run(bad=False)
-    disturbed, victim = run(bad=True)
+    clean, _, _ = run(bad=False)
+    disturbed, victim, result = run(bad=True)
     assert disturbed == clean
-    assert victim.finish_reason == victim.result.finish_reason == "error"
+    assert victim.finish_reason == result.finish_reason == "error"
     assert len(victim.output_ids) == 1
 
 
-def test_abort_from_a_callback_takes_effect_after_the_step():
+def test_an_abort_is_reported_once_by_the_next_step():
     engine = scripted_engine()
     keeper = engine.add_request([1] * 3, SamplingParams(max_new_tokens=5, ignore_eos=True))
-    target = engine.add_request([1] * 3, SamplingParams(max_new_tokens=50, ignore_eos=True),
-                                on_text=lambda text: engine.abort(target.id) if len(target.output_ids) == 2 else None)
-    finished_per_step = []
-    while engine.has_work():
-        finished_per_step.append([r.id for r in engine.step()])
-    assert target.finish_reason == target.result.finish_reason == "abort"
-    assert len(target.output_ids) == 2
-    assert finished_per_step[1] == [target.id]  # reported in the step it was aborted in, once
-    assert sum(ids.count(target.id) for ids in finished_per_step) == 1
+    target = engine.add_request([1] * 3, SamplingParams(max_new_tokens=50, ignore_eos=True))
+    outputs_per_step = []
+
+    def abort_after_two(outputs: list[RequestOutput]) -> None:
+        outputs_per_step.append(outputs)
+        if len(target.output_ids) == 2 and target.finish_reason is None:
+            assert engine.abort(target.id) is True
+
+    drive(engine, abort_after_two)
+    assert target.finish_reason == "abort" and len(target.output_ids) == 2
+    ends = [i for i, outputs in enumerate(outputs_per_step) for o in outputs if o.request_id == target.id and o.finished]
+    assert ends == [2] and RequestOutput(target.id, (), "abort") in outputs_per_step[2]
     assert keeper.finish_reason == "length" and len(keeper.output_ids) == 5
+    with pytest.raises(ValueError, match="'abort', 'stop' or 'error'"):
+        engine.abort(keeper.id, "length")
     assert engine.runner.allocator.used == 0 and engine.step() == []  # idle: nothing to do
+
+
+def test_forget_only_what_has_ended_and_been_reported():
+    engine = scripted_engine()
+    running = engine.add_request([1] * 3, SamplingParams(max_new_tokens=5, ignore_eos=True))
+    engine.step()
+    with pytest.raises(ValueError, match="not ended"):
+        engine.forget(running.id)
+    engine.abort(running.id)
+    with pytest.raises(ValueError, match="not reported yet"):  # its "abort" output is still to come
+        engine.forget(running.id)
+    assert engine.step() == [RequestOutput(running.id, (), "abort")]
+    engine.forget(running.id)
+    assert running.id not in engine.requests and engine.load().requests == 0
+    with pytest.raises(UnknownRequestError, match="'r0'"):
+        engine.forget(running.id)
+    again = engine.add_request([1] * 3, SamplingParams(max_new_tokens=1, ignore_eos=True), request_id=running.id)
+    assert [o.finish_reason for o in engine.step()] == ["length"] and again.output_ids == [again.seq + 1]
+
+
+def test_load_counts_running_waiting_kv_and_records():
+    engine = scripted_engine(max_seqs=2)
+    for _ in range(3):
+        engine.add_request([1] * 3, SamplingParams(max_new_tokens=4, ignore_eos=True))
+    assert engine.load() == EngineLoad(running=0, waiting=3, kv_used=0, requests=3)
+    engine.step()
+    assert engine.load() == EngineLoad(running=2, waiting=1, kv_used=2, requests=3)
+    drive(engine)
+    assert engine.load() == EngineLoad(running=0, waiting=0, kv_used=0, requests=3)
+
+
+def test_ends_survive_a_step_that_raised():
+    """An abort's end is reported by the step after a failed one, not lost with it."""
+    engine = scripted_engine()
+    gone = engine.add_request([1] * 3, SamplingParams(max_new_tokens=5, ignore_eos=True))
+    other = engine.add_request([1] * 3, SamplingParams(max_new_tokens=5, ignore_eos=True))
+    engine.step()
+    engine.abort(gone.id)
+    run = engine.runner.run
+
+    def broken(batch):
+        engine.runner.run = run
+        raise RuntimeError("a broken kernel")
+
+    engine.runner.run = broken
+    with pytest.raises(RuntimeError, match="broken kernel"):
+        engine.step()
+    assert RequestOutput(gone.id, (), "abort") in engine.step()
+    assert other.status is RequestStatus.RUNNING
+
+
+def test_simulate_calls_after_step_once_per_step_and_reads_aborts_added_during_the_run():
+    steps_seen: list[int] = []
+    aborts: dict[int, list[str]] = {}
+
+    def after(engine: Engine) -> None:
+        steps_seen.append(len(engine.stats))
+        if len(engine.stats) == 2:
+            aborts[3] = ["r0"]  # added while running, for a later step
+
+    engine = simulate([Arrival(0.0, 4, 10), Arrival(0.0, 4, 10)], SchedulerConfig(max_seqs=2, token_budget=16),
+                      aborts=aborts, after_step=after)
+    assert steps_seen == list(range(1, len(engine.stats) + 1))  # not again for the step that only reported the abort
+    assert engine.requests["r0"].finish_reason == "abort" and len(engine.requests["r0"].output_ids) == 3

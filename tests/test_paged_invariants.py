@@ -92,6 +92,7 @@ class Checker:
     num_finished: int = 0
     num_seen: int = 0  # requests added so far: r0 … r(num_seen − 1), as arrivals are in time order
     aborted_when: Counter = field(default_factory=Counter)  # the status of each abort's request, before it
+    live_aborted: set[str] = field(default_factory=set)  # requests an abort found not yet finished
     steps: int = 0
 
     def __call__(self, engine: Engine) -> None:
@@ -150,6 +151,8 @@ class Checker:
         for rid in self.aborts.get(nxt, []):
             request = engine.requests.get(rid)
             self.aborted_when[request.status.value if request else "arriving"] += 1
+            if request is not None and request.status is not RequestStatus.FINISHED:
+                self.live_aborted.add(rid)
 
 
 def check_blocks(allocator: PagedAllocator) -> None:
@@ -213,6 +216,8 @@ def run(count: int, num_blocks: int, prefix_caching: bool, seed: int, abort_rate
     engine = simulate(arrivals, CONFIG, COST, aborts=aborts, allocator=allocator,
                       scheduler_class=PagedScheduler, after_step=checker)
     assert checker.steps == len(engine.stats) > 0
+    ended_by_abort = {rid for rid, request in engine.requests.items() if request.finish_reason == "abort"}
+    assert ended_by_abort == checker.live_aborted, "an abort asked for did not happen, or one happened unasked"
     check_end(engine, allocator, arrivals)
     return engine, checker, allocator
 

@@ -11,6 +11,7 @@ from aie_lessons import checks
 from aie_lessons.checks import CheckFailed
 from aie_lessons.engine.batch import chunk_inputs
 from aie_lessons.engine.engine import postprocess
+from aie_lessons.engine.outputs import RequestOutput
 from aie_lessons.engine.scheduler import (Schedule, ScheduledChunk, Scheduler, SchedulerConfig,
                                           effective_priority)
 from check_expect import mutants, names_the_mistake
@@ -178,7 +179,7 @@ def test_chunk_inputs_check_names_the_mistake(wrong, message):
 # --- 6.4 ----------------------------------------------------------------------------------------
 def postprocess_with(name: str, **mistake):
     def wrong(schedule, tokens, scheduler, now):
-        finished = []
+        outputs = []
         sampled = iter(tokens)
         # zip(chunks, tokens) pairs chunk i with token i, and stops at the shorter list
         chunks = schedule.chunks[:len(tokens)] if mistake.get("zips_chunks_with_tokens") else schedule.chunks
@@ -195,23 +196,100 @@ def postprocess_with(name: str, **mistake):
             elif not mistake.get("token_per_chunk"):
                 token = next(sampled)
             request.output_ids.append(token)
+            limit = request.params.max_new_tokens - (1 if mistake.get("one_early") else 0)
+            at_limit = len(request.output_ids) > limit if mistake.get("past_the_limit") else len(request.output_ids) >= limit
             if mistake.get("always_stamp") or request.metrics.first_token is None:
                 request.metrics.first_token = now
-            if request.stream.push(token):
+            is_eos = token == 0 if mistake.get("fixed_eos_id") else token in request.stop_ids
+            if mistake.get("length_first"):
+                reason = "length" if at_limit else "eos" if is_eos else None
+            else:
+                reason = "eos" if is_eos else "length" if at_limit else None
+            if reason is not None:
                 if mistake.get("frees_only_the_kv"):
                     scheduler.allocator.free(request.id)
-                    request.finish_reason = request.result.finish_reason
+                    request.finish_reason = reason
                 elif not mistake.get("never_free"):
-                    scheduler.finish(request, request.result.finish_reason, now)
-                finished.append(request)
-        return finished
+                    scheduler.finish(request, reason, now)
+            if mistake.get("only_finished") and reason is None:
+                continue
+            outputs.append(RequestOutput(request.id, token if mistake.get("bare_token") else (token,),
+                                         None if mistake.get("no_reason") else reason))
+        return outputs
 
     wrong.__name__ = name
     return wrong
 
 
+def postprocess_variant(name: str, **change):
+    """Learners' mistakes found by working the exercise: each changes one detail of a correct postprocess."""
+    def wrong(schedule, tokens, scheduler, now):
+        outputs, sampled = [], iter(tokens)
+        chunks = list(schedule.chunks)
+        if change.get("pops_the_schedule"):  # consumed while walking it
+            schedule.chunks.clear()
+        for chunk in chunks:
+            request = chunk.request
+            request.num_computed += chunk.length
+            if change.get("stamps_every_chunk") and request.metrics.first_token is None:
+                request.metrics.first_token = now
+            if not chunk.samples:
+                continue
+            token = next(sampled)
+            if not (change.get("drops_eos") and token in request.stop_ids):
+                request.output_ids.append(token)
+            if request.metrics.first_token is None and not (change.get("stamps_long_chunks_only") and chunk.length == 1):
+                request.metrics.first_token = now
+            reason = ("eos" if token in request.stop_ids
+                      else "length" if len(request.output_ids) >= request.params.max_new_tokens else None)
+            if reason and change.get("ends_by_hand"):
+                scheduler.running.remove(request)
+                scheduler.allocator.free(request.id)
+                request.finish_reason = reason
+            elif reason:
+                scheduler.finish(request, reason, now)
+            outputs.append(RequestOutput(request.id, [token] if change.get("list_of_token") else (token,), reason))
+        if change.get("yields"):
+            return (o for o in outputs)
+        return outputs
+
+    if change.get("generator_function"):
+        def wrong(schedule, tokens, scheduler, now):  # noqa: F811 — the body never runs
+            yield from ()
+    wrong.__name__ = name
+    return wrong
+
+
 def test_postprocess_check_passes_the_reference():
-    checks.stage06.check_postprocess(postprocess, Scheduler, SchedulerConfig, ScheduledChunk, Schedule)
+    assert postprocess_variant("unchanged").__name__ == "unchanged"
+    checks.stage06.check_postprocess(postprocess_variant("unchanged"), Scheduler, SchedulerConfig, ScheduledChunk,
+                                     Schedule, RequestOutput)  # the variants differ from a correct one by their change only
+    checks.stage06.check_postprocess(postprocess, Scheduler, SchedulerConfig, ScheduledChunk, Schedule, RequestOutput)
+
+
+def test_postprocess_check_passes_an_equivalent_design():
+    """Outputs built after the loop, and the reason decided by two separate ifs: the same contract."""
+    def two_passes(schedule, tokens, scheduler, now):
+        sampled, news = iter(tokens), []
+        for chunk in schedule.chunks:
+            chunk.request.num_computed += chunk.length
+            if chunk.samples:
+                news.append((chunk.request, next(sampled)))
+        outputs = []
+        for request, token in news:
+            request.output_ids += [token]
+            request.metrics.first_token = request.metrics.first_token or now
+            reason = None
+            if len(request.output_ids) == request.params.max_new_tokens:
+                reason = "length"
+            if token in request.stop_ids:
+                reason = "eos"
+            if reason:
+                scheduler.finish(request, reason, now)
+            outputs.append(RequestOutput(request.id, tuple([token]), reason))
+        return outputs
+
+    checks.stage06.check_postprocess(two_passes, Scheduler, SchedulerConfig, ScheduledChunk, Schedule, RequestOutput)
 
 
 @mutants("6.4", [
@@ -223,10 +301,25 @@ def test_postprocess_check_passes_the_reference():
     (postprocess_with("frees_only_the_kv", frees_only_the_kv=True), "still in scheduler.running"),
     (postprocess_with("zips_chunks_with_tokens", zips_chunks_with_tokens=True), "zip\\(chunks, tokens\\) stops at the shorter list"),
     (postprocess_with("indexes_tokens_by_chunk", indexes_tokens_by_chunk=True), "one entry per \\*sampling\\* chunk"),
+    (postprocess_with("fixed_eos_id", fixed_eos_id=True), "ignore_eos ended on token 0"),
+    (postprocess_with("past_the_limit", past_the_limit=True), "now holds max_new_tokens output tokens did not end"),
+    (postprocess_with("one_early", one_early=True), "requests ended early"),
+    (postprocess_with("length_first", length_first=True), "a stop id at the limit is still an EOS"),
+    (postprocess_with("only_finished", only_finished=True), "one RequestOutput per sampling chunk — finished or not"),
+    (postprocess_with("bare_token", bare_token=True), "as a 1-tuple"),
+    (postprocess_with("no_reason", no_reason=True), "an output names the reason its request ended"),
+    (postprocess_variant("stamps_every_chunk", stamps_every_chunk=True), "partial_prefill has a first_token"),
+    (postprocess_variant("stamps_long_chunks_only", stamps_long_chunks_only=True), "one_token_prompt .* has no first_token"),
+    (postprocess_variant("drops_eos", drops_eos=True), "EOS included"),
+    (postprocess_variant("ends_by_hand", ends_by_hand=True), "were ended by hand"),
+    (postprocess_variant("pops_the_schedule", pops_the_schedule=True), "the schedule's chunks changed"),
+    (postprocess_variant("list_of_token", list_of_token=True), "as a 1-tuple"),
+    (postprocess_variant("generator_function", generator_function=True), "is a generator"),
+    (postprocess_variant("yields", yields=True), "return a list of RequestOutput"),
 ])
 def test_postprocess_check_names_the_mistake(wrong, message):
     with names_the_mistake("6.4", message):
-        checks.stage06.check_postprocess(wrong, Scheduler, SchedulerConfig, ScheduledChunk, Schedule)
+        checks.stage06.check_postprocess(wrong, Scheduler, SchedulerConfig, ScheduledChunk, Schedule, RequestOutput)
 
 
 def test_a_stub_passes_through_as_not_implemented():

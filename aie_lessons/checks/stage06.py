@@ -7,11 +7,13 @@ over-allocate — and compare each step with a reference schedule computed here 
 
 from __future__ import annotations
 
+import inspect
 import random
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
-from aie_lessons.checks.common import call, fail, isolated, passed
+from aie_lessons.checks.common import CheckFailed, call, fail, isolated, passed
+from aie_lessons.sampling import SamplingParams
 
 
 # --- stand-ins --------------------------------------------------------------------------------
@@ -28,7 +30,8 @@ class _Request:
     status: object = None
     finish_reason: str | None = None
     metrics: SimpleNamespace = None
-    stream: object = None
+    stop_ids: frozenset[int] = frozenset({0})
+    params: SimpleNamespace = field(default_factory=lambda: SimpleNamespace(max_new_tokens=10))
 
     def __post_init__(self) -> None:
         # Like the engine's Request, the arrival is kept in the metrics (and read through `arrival`).
@@ -48,10 +51,6 @@ class _Request:
 
     def token_ids(self, start: int, end: int) -> list[int]:
         return (self.prompt_ids + self.output_ids)[start:end]
-
-    @property
-    def result(self):
-        return self.stream.result
 
 
 class _Allocator:
@@ -401,42 +400,24 @@ def check_chunk_inputs(chunk_inputs, ScheduledChunk) -> None:
 
 
 # --- 6.4 the postprocess ------------------------------------------------------------------------
-class _Stream:
-    """Finishes with "length" after ``limit`` tokens, or with "eos" on token 0, like OutputStream."""
-
-    def __init__(self, limit: int):
-        self.limit = limit
-        self.pushed: list[int] = []
-        self.result = SimpleNamespace(finish_reason=None)
-
-    @property
-    def finished(self) -> bool:
-        return self.result.finish_reason is not None
-
-    def push(self, token: int) -> bool:
-        if self.result.finish_reason is not None:
-            raise RuntimeError("a token was pushed to a stream that had already finished")
-        self.pushed.append(token)
-        if token == 0:
-            self.result.finish_reason = "eos"
-        elif len(self.pushed) >= self.limit:
-            self.result.finish_reason = "length"
-        return self.result.finish_reason is not None
-
-
-def check_postprocess(postprocess, Scheduler, SchedulerConfig, ScheduledChunk, Schedule) -> None:
+def check_postprocess(postprocess, Scheduler, SchedulerConfig, ScheduledChunk, Schedule, RequestOutput) -> None:
     ex = "6.4"
-    allocator = _Allocator(8)
-    scheduler = Scheduler(SchedulerConfig(max_seqs=8, token_budget=64), allocator, lambda: 0.0)
-    # (id, prompt, outputs so far, computed, chunk length, stream limit, token sampled or None)
-    plan = [("decoding", 6, 2, 7, 1, 10, 41), ("last_token", 6, 3, 8, 1, 4, 42),
-            ("partial_prefill", 30, 0, 8, 8, None, None), ("final_chunk", 20, 0, 12, 8, 10, 43),
-            ("eos", 5, 1, 5, 1, 10, 0), ("whole_prompt", 9, 0, 0, 9, 10, 44)]
+    allocator = _Allocator(16)
+    scheduler = Scheduler(SchedulerConfig(max_seqs=16, token_budget=128), allocator, lambda: 0.0)
+    # (id, prompt, outputs so far, computed, chunk length, max_new_tokens, token sampled or None,
+    #  ignore_eos); the stop id is 0
+    plan = [("decoding", 6, 2, 7, 1, 10, 41, False), ("last_token", 6, 3, 8, 1, 4, 42, False),
+            ("partial_prefill", 30, 0, 8, 8, 10, None, False), ("final_chunk", 20, 0, 12, 8, 10, 43, False),
+            ("eos", 5, 1, 5, 1, 10, 0, False), ("whole_prompt", 9, 0, 0, 9, 10, 44, False),
+            ("ignores_eos", 5, 1, 5, 1, 10, 0, True), ("eos_at_the_limit", 5, 3, 7, 1, 4, 0, False),
+            ("one_token_wanted", 4, 0, 0, 4, 1, 45, False), ("one_token_prompt", 1, 0, 0, 1, 10, 47, False),
+            ("one_short", 5, 2, 6, 1, 4, 46, False)]
+    want_reason = {"last_token": "length", "eos": "eos", "eos_at_the_limit": "eos", "one_token_wanted": "length"}
     requests, chunks, tokens = {}, [], []
-    for rid, prompt, outputs, computed, length, limit, token in plan:
+    for rid, prompt, outputs, computed, length, limit, token, ignore_eos in plan:
         r = _request(rid, len(requests), prompt, computed=computed, outputs=outputs)
-        r.stream = _Stream(limit if limit is not None else 10)
-        r.stream.pushed = [7] * outputs
+        r.params = SamplingParams(max_new_tokens=limit, ignore_eos=ignore_eos)
+        r.stop_ids = frozenset() if ignore_eos else frozenset({0})
         if outputs:
             r.metrics.first_token = 1.0
         scheduler.waiting.append(r)
@@ -446,15 +427,26 @@ def check_postprocess(postprocess, Scheduler, SchedulerConfig, ScheduledChunk, S
         if token is not None:
             tokens.append(token)
     schedule = Schedule(chunks, [])
+    scheduled = list(schedule.chunks)
     before = {rid: (r.num_computed, len(r.output_ids)) for rid, r in requests.items()}
-    finished = call(ex, postprocess, schedule, tokens, scheduler, 5.0,
-                    hint="tokens holds one entry per *sampling* chunk, not one per chunk: take them in "
-                         "order with an iterator")
-    if requests["whole_prompt"].num_computed == 0 and requests["decoding"].num_computed != 7:
+    try:
+        outputs = call(ex, postprocess, schedule, tokens, scheduler, 5.0)
+    except CheckFailed as exc:
+        if "StopIteration" in str(exc) or "IndexError" in str(exc):
+            fail(ex, f"{str(exc).split(': ', 1)[1]} — tokens holds one entry per *sampling* chunk, not one per "
+                     "chunk: take them in order with an iterator")
+        raise
+    if inspect.isgeneratorfunction(postprocess):
+        fail(ex, "your postprocess is a generator (it uses `yield`): its body runs only when someone iterates "
+                 "over it, so nothing happened. Do the work, and return a list")
+    if list(schedule.chunks) != scheduled:
+        fail(ex, "the schedule's chunks changed: the postprocess only reads the schedule (the engine records "
+                 "its chunks after it)")
+    if requests["one_short"].num_computed == 6 and requests["decoding"].num_computed != 7:
         fail(ex, "the last chunks were never reached: zip(chunks, tokens) stops at the shorter list, and "
                  "tokens holds one entry per *sampling* chunk — walk every chunk, and take a token only "
                  "for those that sample")
-    for rid, prompt, outputs, computed, length, limit, token in plan:
+    for rid, prompt, outputs_before, computed, length, limit, token, _ in plan:
         r = requests[rid]
         if r.num_computed == computed + 1 and length > 1:
             fail(ex, f"{rid}: num_computed advanced by 1 after a chunk of {length} tokens: advance it by the "
@@ -469,32 +461,85 @@ def check_postprocess(postprocess, Scheduler, SchedulerConfig, ScheduledChunk, S
     if appended["partial_prefill"]:
         fail(ex, "a chunk that stops inside its prompt got a token: only chunks that sample "
                  "(chunk.samples) take one of the tokens")
-    expected = {rid: ([token] if token is not None else []) for rid, *_, token in plan}
+    expected = {rid: ([token] if token is not None else []) for rid, *_, token, _ in plan}
+    eos_rows = [rid for rid, *_, token, ignore_eos in plan if token == 0 and not ignore_eos]
+    if all(appended[rid] == [] for rid in eos_rows) and all(
+            appended[rid] == expected[rid] for rid in expected if rid not in eos_rows):
+        fail(ex, f"{eos_rows} sampled their stop id 0 and got nothing appended: output_ids holds every sampled "
+                 "token, EOS included (the consumer's text leaves it out, not the engine)")
+    grown = {rid: len(requests[rid].output_ids) - before[rid][1] for rid in requests}
+    if any(grown[rid] != len(expected[rid]) for rid in requests):
+        fail(ex, f"output_ids grew by {grown}: a sampling chunk appends exactly one token to its request's "
+                 "output_ids, and other chunks none")
     if appended != expected:
         fail(ex, f"tokens appended {appended}, expected {expected}: the tokens line up with the sampling "
                  "chunks, in order (one iterator over them)")
     if requests["final_chunk"].metrics.first_token != 5.0 or requests["whole_prompt"].metrics.first_token != 5.0:
         fail(ex, "a request's first sampled token must stamp metrics.first_token with `now` (TTFT)")
+    if requests["one_token_prompt"].metrics.first_token != 5.0:
+        fail(ex, "one_token_prompt (a prompt of one token, sampled in its first chunk) has no first_token: "
+                 "stamp it for every request whose first token was sampled now")
+    if requests["partial_prefill"].metrics.first_token is not None:
+        fail(ex, "partial_prefill has a first_token although nothing was sampled for it yet (its chunk "
+                 "stops inside the prompt): TTFT is the time of the first *sampled* token")
     if requests["decoding"].metrics.first_token != 1.0:
         fail(ex, "metrics.first_token was overwritten for a request that already had its first token: "
                  "stamp it only while it is None")
-    if requests["decoding"].stream.pushed[-1] != 41:
-        fail(ex, "sampled tokens must be pushed to the request's stream (stop rules and text live there)")
-    ended = {"last_token", "eos"}
-    still_held = sorted(ended & set(allocator.held))
+    reported = {getattr(o, "request_id", None): getattr(o, "finish_reason", None)
+                for o in (outputs if isinstance(outputs, list) else [])}
+
+    def ended(rid: str) -> str | None:  # the reason, on the request or in its output
+        return requests[rid].finish_reason or reported.get(rid)
+
+    if ended("ignores_eos") is not None:
+        fail(ex, "a request with ignore_eos ended on token 0: its stop_ids are empty — test the token "
+                 "against request.stop_ids, not against a fixed EOS id")
+    if ended("eos") is None:
+        fail(ex, "a request whose token is one of its stop_ids did not end: that is reason \"eos\"")
+    if ended("one_token_wanted") is None or ended("last_token") is None:
+        fail(ex, "a request that now holds max_new_tokens output tokens did not end: compare the length of "
+                 "its output_ids after the append (≥ max_new_tokens ends it with \"length\")")
+    early = [(rid, len(requests[rid].output_ids), requests[rid].params.max_new_tokens)
+             for rid in ("decoding", "final_chunk", "one_short", "one_token_prompt") if ended(rid) is not None]
+    if early:
+        fail(ex, "requests ended early (request, output tokens, max_new_tokens): "
+                 f"{early}: a request samples until its output_ids hold max_new_tokens tokens")
+    got_reasons = {rid: ended(rid) for rid in want_reason}
+    if got_reasons != want_reason:
+        fail(ex, f"finish reasons {got_reasons}, expected {want_reason}: \"eos\" when the token is a stop "
+                 "id (first: a stop id at the limit is still an EOS), else \"length\" at max_new_tokens")
+    ends = set(want_reason)
+    still_held = sorted(ends & set(allocator.held))
     if still_held:
-        fail(ex, f"{still_held} finished but still hold their KV slot: a slot never freed — call "
-                 "scheduler.finish(request, request.result.finish_reason, now) when stream.push says finished")
-    lingering = sorted(rid for rid in ended if requests[rid] in scheduler.running)
+        fail(ex, f"{still_held} ended but still hold their KV slot: a slot never freed — end a request "
+                 "through scheduler.finish(request, reason, now)")
+    lingering = sorted(rid for rid in ends if requests[rid] in scheduler.running)
     if lingering:
-        fail(ex, f"{lingering} finished but are still in scheduler.running: end a request through "
+        fail(ex, f"{lingering} ended but are still in scheduler.running: end a request through "
                  "scheduler.finish, which takes it out of the queue and frees its KV")
-    if not isinstance(finished, list) or sorted(r.id for r in finished) != sorted(ended):
-        got = sorted(getattr(r, "id", r) for r in finished) if isinstance(finished, list) else finished
-        fail(ex, f"return the requests that finished this step ({sorted(ended)}), got {got}")
-    if requests["eos"].finish_reason != "eos" or requests["last_token"].finish_reason != "length":
-        fail(ex, "finish a request with the stream's reason: request.result.finish_reason")
-    if set(allocator.freed) != ended:
-        fail(ex, f"freed {allocator.freed}: only finished requests free their KV")
-    passed(ex, "every chunk advances its request, sampled tokens land on the right requests, and finished "
-               "requests leave with their KV freed")
+    not_marked = sorted(rid for rid in want_reason if requests[rid].finish_reason != want_reason[rid]
+                        or getattr(requests[rid].status, "value", None) != "finished"
+                        or requests[rid].metrics.finished != 5.0)
+    if not_marked:
+        fail(ex, f"{not_marked} were ended by hand: end a request through scheduler.finish(request, reason, now), "
+                 "which also marks it FINISHED with its finish_reason and stamps metrics.finished — abort and "
+                 "forget rely on that")
+    if set(allocator.freed) != ends:
+        fail(ex, f"freed {allocator.freed}: only ended requests free their KV")
+    want = [RequestOutput(rid, (token,), want_reason.get(rid)) for rid, *_, token, _ in plan if token is not None]
+    if not isinstance(outputs, list) or not all(isinstance(o, RequestOutput) for o in outputs):
+        fail(ex, f"return a list of RequestOutput, one per sampling chunk; got {type(outputs).__name__}"
+                 f"{'' if not isinstance(outputs, list) else ' of ' + ', '.join(sorted({type(o).__name__ for o in outputs}))}")
+    if [o.request_id for o in outputs] != [o.request_id for o in want]:
+        fail(ex, f"outputs for {[o.request_id for o in outputs]}, expected {[o.request_id for o in want]}: one "
+                 "RequestOutput per sampling chunk — finished or not — in the schedule's order")
+    wrong = [(o.request_id, o.token_ids, w.token_ids) for o, w in zip(outputs, want) if o.token_ids != w.token_ids]
+    if wrong:
+        fail(ex, f"token_ids (request, got, expected): {wrong}: each output carries the token just sampled "
+                 "for its request, as a 1-tuple")
+    wrong = [(o.request_id, o.finish_reason, w.finish_reason) for o, w in zip(outputs, want) if o.finish_reason != w.finish_reason]
+    if wrong:
+        fail(ex, f"finish_reason (request, got, expected): {wrong}: an output names the reason its request "
+                 "ended in this step, and None while it goes on")
+    passed(ex, "every chunk advances its request, sampled tokens land on the right requests, requests end "
+               "at EOS or max_new_tokens with their KV freed, and the step's outputs say so as data")

@@ -8,7 +8,6 @@ import itertools
 import math
 import operator
 import time
-import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
@@ -16,6 +15,8 @@ import torch
 
 from typing import TYPE_CHECKING
 
+from aie_lessons.engine.output_processor import OutputProcessor
+from aie_lessons.engine.outputs import EngineLoad, RequestOutput
 from aie_lessons.engine.request import Request, RequestMetrics, RequestStatus
 from aie_lessons.engine.runner import ModelRunner
 from aie_lessons.engine.sampler import Sampler
@@ -23,16 +24,17 @@ from aie_lessons.engine.scheduler import KVAllocator, Schedule, Scheduler, Sched
 from aie_lessons.engine.step_log import StepLog, StepStats
 from aie_lessons.generate import PromptError, check_prompt
 from aie_lessons.model import AttentionFn, LlamaModel, sdpa_attention
-from aie_lessons.output import GenerationResult, OutputStream, stop_token_ids
+from aie_lessons.output import GenerationResult, stop_token_ids
 from aie_lessons.sampling import SamplingParams, SamplingParamsError, params_per_row
 
 if TYPE_CHECKING:
     from aie_lessons.tokenizer import Tokenizer
 
 
-def postprocess(schedule: Schedule, tokens: list[int], scheduler: Scheduler, now: float) -> list[Request]:
-    """Advance every scheduled request; append sampled tokens; end (and free) the finished ones."""
-    finished: list[Request] = []
+def postprocess(schedule: Schedule, tokens: list[int], scheduler: Scheduler, now: float) -> list[RequestOutput]:
+    """Advance every scheduled request, give each sampling chunk its token, and end (and free)
+    the requests that reached EOS or ``max_new_tokens``. Returns what changed, as data."""
+    outputs: list[RequestOutput] = []
     sampled = iter(tokens)
     for chunk in schedule.chunks:
         request = chunk.request
@@ -43,10 +45,12 @@ def postprocess(schedule: Schedule, tokens: list[int], scheduler: Scheduler, now
         request.output_ids.append(token)
         if request.metrics.first_token is None:
             request.metrics.first_token = now
-        if request.stream.push(token):
-            scheduler.finish(request, request.result.finish_reason, now)
-            finished.append(request)
-    return finished
+        reason = ("eos" if token in request.stop_ids
+                  else "length" if len(request.output_ids) >= request.params.max_new_tokens else None)
+        if reason is not None:
+            scheduler.finish(request, reason, now)
+        outputs.append(RequestOutput(request.id, (token,), reason))
+    return outputs
 
 
 class Runner(Protocol):
@@ -69,7 +73,13 @@ class UnknownRequestError(KeyError):
 
 
 class Engine:
-    """Continuous batching over a runner (the real model, or the simulator's scripted one)."""
+    """Continuous batching over a runner (the real model, or the simulator's scripted one).
+
+    Token ids in, ``RequestOutput``s out: ``step()`` returns what changed. Text and stop strings
+    are the consumer's (an ``OutputProcessor``, or a server's queues): the engine never reads
+    ``params.stop``. One thread adds, aborts and steps; ``check_request`` and ``load`` may be
+    called from others (they change nothing).
+    """
 
     def __init__(self, runner: Runner, tokenizer: Tokenizer, stop_ids: set[int],
                  config: SchedulerConfig = SchedulerConfig(),
@@ -85,8 +95,7 @@ class Engine:
         self.requests: dict[str, Request] = {}
         self.stats = StepLog(stats_capacity)  # the latest steps' StepStats
         self._seq = itertools.count()
-        self._stepping = False
-        self._ends: list[tuple[Request, str]] = []  # ends asked for during a step, applied after it
+        self._ended: list[RequestOutput] = []  # ends between steps (abort, max_new_tokens=0): the next step reports them
 
     @classmethod
     def from_model(cls, model: LlamaModel, tokenizer: Tokenizer, max_seqs: int = 16, token_budget: int = 256,
@@ -113,8 +122,7 @@ class Engine:
         return prompt_ids
 
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams = SamplingParams(),
-                    priority: float = 0.0, request_id: str | None = None,
-                    on_text: Callable[[str], None] | None = None) -> Request:
+                    priority: float = 0.0, request_id: str | None = None) -> Request:
         """Queue a prompt (text or token ids); refuse bad input before anything changes."""
         if isinstance(priority, bool) or not isinstance(priority, (int, float)) or not math.isfinite(priority):
             raise ValueError(f"priority={priority!r} must be a finite number (larger is more urgent)")
@@ -125,43 +133,24 @@ class Engine:
         seq = next(self._seq)
         if request_id is None:  # the first free "rN": a caller may have named one of them already
             request_id = next(f"r{n}" for n in itertools.count(seq) if f"r{n}" not in self.requests)
-        on_text = on_text and self._guarded(request_id, on_text)
-        stream = OutputStream(self.tokenizer, prompt_ids, params, self.stop_ids, on_text)
+        stop_ids = frozenset() if params.ignore_eos else frozenset(self.stop_ids)
         now = self.clock()
-        request = Request(request_id, seq, prompt_ids, params, stream, priority, RequestMetrics(arrival=now))
+        request = Request(request_id, seq, prompt_ids, params, stop_ids, priority, RequestMetrics(arrival=now))
         self.requests[request_id] = request
-        if stream.finished:  # max_new_tokens=0: nothing to compute
+        if params.max_new_tokens == 0:  # nothing to compute: ended at once, reported by the next step
             self.scheduler.finish(request, "length", now)
+            self._ended.append(RequestOutput(request_id, (), "length"))
         else:
             self.scheduler.add(request)
             self.sampler.add(request)
         return request
 
-    def _guarded(self, request_id: str, on_text: Callable[[str], None]) -> Callable[[str], None]:
-        """The caller's callback, made safe: if it raises, its own request ends, never the engine."""
-        def call(text: str) -> None:
-            try:
-                on_text(text)
-            except Exception as exc:  # a client's bug must not disturb the other requests
-                warnings.warn(f"on_text of request {request_id!r} raised {type(exc).__name__}: {exc}; "
-                              "that request is ended with finish_reason 'error'")
-                self._end(self.requests[request_id], "error")
-        return call
-
-    def _end(self, request: Request, reason: str) -> None:
-        """Finish a request for the engine's own reasons (abort, a failed callback). During a step
-        (a callback may call abort) it waits for the step's end: the postprocess owns the request."""
-        if self._stepping:
-            self._ends.append((request, reason))
-            return
-        if request.status is not RequestStatus.FINISHED:
-            self.scheduler.finish(request, reason, self.clock())
-            request.result.finish_reason = reason
-            self.sampler.remove(request.id)
-
-    def abort(self, request_id: str) -> bool:
-        """End a request and free its KV (at the end of the step, if one is running); False if it had
-        already finished."""
+    def abort(self, request_id: str, reason: str = "abort") -> bool:
+        """End a request and free its KV; its final ``RequestOutput`` comes with the next step.
+        ``reason``: "abort" (its client left), "stop" (its consumer found a stop string) or "error".
+        False if it had already ended."""
+        if reason not in ("abort", "stop", "error"):
+            raise ValueError(f"reason={reason!r}: an end from outside the engine is 'abort', 'stop' or 'error'")
         request = self.requests.get(request_id)
         if request is None:
             known = ", ".join(list(self.requests)[-5:]) or "none yet"
@@ -169,58 +158,88 @@ class Engine:
                                       "abort an id that add_request returned")
         if request.status is RequestStatus.FINISHED:
             return False
-        self._end(request, "abort")
+        self.scheduler.finish(request, reason, self.clock())
+        self.sampler.remove(request_id)
+        self._ended.append(RequestOutput(request_id, (), reason))
         return True
 
-    def has_work(self) -> bool:
-        return self.scheduler.has_work()
+    def forget(self, request_id: str) -> None:
+        """Drop an ended request from ``requests`` once its end has been reported (a server runs
+        for weeks); its id is free again."""
+        request = self.requests.get(request_id)
+        if request is None:
+            raise UnknownRequestError(f"no request with id {request_id!r}. Fix: forget an id that add_request returned")
+        if request.status is not RequestStatus.FINISHED or any(o.request_id == request_id for o in self._ended):
+            raise ValueError(f"request {request_id!r} has not ended, or its end is not reported yet: forget it "
+                             "after the step whose outputs say it finished")
+        del self.requests[request_id]
 
-    def step(self) -> list[Request]:
-        """One iteration: schedule, prepare, run, sample, postprocess. Returns the requests that
-        finished in it (aborted ones included); an idle engine does nothing."""
-        if not self.has_work():
-            return []
+    def load(self) -> EngineLoad:
+        return EngineLoad(len(self.scheduler.running), len(self.scheduler.waiting), self.runner.allocator.used,
+                          len(self.requests))
+
+    def has_work(self) -> bool:
+        """A step would compute something, or report an end."""
+        return self.scheduler.has_work() or bool(self._ended)
+
+    def step(self) -> list[RequestOutput]:
+        """One iteration: schedule, prepare, run, sample, postprocess. Returns what changed: one
+        ``RequestOutput`` per request that got a token or ended (ends since the last step first)."""
+        if not self.scheduler.has_work():
+            ended, self._ended = self._ended, []
+            return ended
         start, t0 = self.clock(), time.perf_counter()
-        self._stepping = True
-        try:
-            schedule = self.scheduler.schedule()
-            if not schedule.chunks:  # with work waiting, an empty step would repeat forever
-                raise RuntimeError(f"the scheduler scheduled nothing although {len(self.scheduler.waiting)} "
-                                   f"requests wait and {len(self.scheduler.running)} run: check schedule()")
-            t1 = time.perf_counter()
-            batch = self.runner.prepare(schedule)
-            t2 = time.perf_counter()
-            logits = self.runner.run(batch)
-            t3 = time.perf_counter()
-            tokens = self.sampler.sample(logits, [c.request for c in schedule.sampling])
-            t4 = time.perf_counter()
-            finished = postprocess(schedule, tokens, self.scheduler, self.clock())
-        finally:
-            self._stepping = False
-        for request in finished:
-            self.sampler.remove(request.id)
-        ends, self._ends = self._ends, []
-        for request, reason in ends:
-            if request.status is not RequestStatus.FINISHED:
-                self._end(request, reason)
-                finished.append(request)
+        schedule = self.scheduler.schedule()
+        if not schedule.chunks:  # with work waiting, an empty step would repeat forever
+            raise RuntimeError(f"the scheduler scheduled nothing although {len(self.scheduler.waiting)} "
+                               f"requests wait and {len(self.scheduler.running)} run: check schedule()")
+        t1 = time.perf_counter()
+        batch = self.runner.prepare(schedule)
+        t2 = time.perf_counter()
+        logits = self.runner.run(batch)
+        t3 = time.perf_counter()
+        tokens = self.sampler.sample(logits, [c.request for c in schedule.sampling])
+        t4 = time.perf_counter()
+        outputs = postprocess(schedule, tokens, self.scheduler, self.clock())
+        finished = [o.request_id for o in outputs if o.finished]
+        for request_id in finished:
+            self.sampler.remove(request_id)
+        ended, self._ended = self._ended, []  # only now: a step that raised reports them next time
         t5 = time.perf_counter()
         self.stats.append(StepStats(
             len(self.stats), start, self.clock(), t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4,
             schedule.prefill_tokens, schedule.decode_rows, len(self.scheduler.running),
             len(self.scheduler.waiting), self.runner.allocator.used, [r.id for r in schedule.admitted],
             [r.id for r in schedule.preempted],
-            [(c.request.id, c.start, c.length) for c in schedule.chunks], [r.id for r in finished]))
-        return finished
+            [(c.request.id, c.start, c.length) for c in schedule.chunks], finished))
+        return ended + outputs
 
     def generate(self, prompts: Sequence[str | Sequence[int]],
                  params: SamplingParams | Sequence[SamplingParams] = SamplingParams()) -> list[GenerationResult]:
-        """Run prompts to completion; results in the prompts' order. Every prompt is checked first."""
+        """Run prompts to completion; results (text included) in the prompts' order. Every prompt is
+        checked first."""
         if isinstance(prompts, str):
             raise TypeError("generate takes a list of prompts. Fix: generate([prompt]) for one")
         params = params_per_row(params, len(prompts))
         prompt_ids = [self.check_request(prompt, p) for prompt, p in zip(prompts, params)]  # all, first
-        requests = [self.add_request(ids, p) for ids, p in zip(prompt_ids, params)]
-        while self.has_work():
-            self.step()
-        return [r.result for r in requests]
+        processor = OutputProcessor(self)
+        results = [processor.add(self.add_request(ids, p)) for ids, p in zip(prompt_ids, params)]
+        drive(self, processor.process)
+        return results
+
+
+def drive(engine: Engine, on_outputs: Callable[[list[RequestOutput]], object] = lambda outputs: None,
+          before_step: Callable[[], object] | None = None,
+          when_idle: Callable[[], bool] | None = None) -> None:
+    """Step ``engine`` and hand each step's outputs to ``on_outputs``, until it has nothing to do.
+
+    Every loop that runs the engine is this one: ``before_step`` lets requests in (arrivals, an
+    inbox) and ``when_idle``, called when there is nothing to step, waits for more and says
+    whether to go on (a server sleeps until a request comes; a simulation moves its clock)."""
+    while True:
+        if before_step is not None:
+            before_step()
+        if engine.has_work():
+            on_outputs(engine.step())
+        elif when_idle is None or not when_idle():
+            return

@@ -10,7 +10,6 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from aie_lessons.output import GenerationResult, OutputStream
     from aie_lessons.sampling import SamplingParams
 
 
@@ -39,13 +38,13 @@ class Request:
     seq: int  # the order of arrival: breaks ties between equal priorities, first come first served
     prompt_ids: list[int]
     params: SamplingParams
-    stream: OutputStream  # text, stop rules and the final result (stage 01)
+    stop_ids: frozenset[int]  # tokens that end it with "eos": the model's EOS ids (none with ignore_eos)
     priority: float = 0.0
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(arrival=0.0))
     status: RequestStatus = RequestStatus.WAITING
     output_ids: list[int] = field(default_factory=list)  # every sampled token, EOS included
     num_computed: int = 0  # tokens whose keys and values are in the KV cache
-    finish_reason: str | None = None  # "eos", "stop", "length" or "abort"
+    finish_reason: str | None = None  # "eos", "length", or what ended it from outside: "stop", "abort", "error"
 
     @property
     def arrival(self) -> float:
@@ -83,7 +82,3 @@ class Request:
     def latency(self) -> float | None:
         m = self.metrics
         return None if m.finished is None else m.finished - m.arrival
-
-    @property
-    def result(self) -> GenerationResult:
-        return self.stream.result

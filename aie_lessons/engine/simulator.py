@@ -9,10 +9,15 @@ from types import SimpleNamespace
 
 import torch
 
-from aie_lessons.engine.engine import Engine
+from typing import TYPE_CHECKING
+
+from aie_lessons.engine.engine import Engine, drive
 from aie_lessons.engine.scheduler import KVAllocator, Schedule, Scheduler, SchedulerConfig
 from aie_lessons.engine.slot_cache import SlotAllocator
 from aie_lessons.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from aie_lessons.engine.outputs import RequestOutput
 
 
 class SimClock:
@@ -110,24 +115,34 @@ def simulate(arrivals: list[Arrival], config: SchedulerConfig, cost: StepCost = 
         runner.allocator = allocator
     engine = Engine(runner, ScriptTokenizer(), {0}, config, clock, scheduler_class)
     order = sorted(range(len(arrivals)), key=lambda i: arrivals[i].time)
-    aborts = aborts or {}
-    step = 0
-    while order or engine.has_work():
+    aborts = {} if aborts is None else aborts  # the caller's own dict: it may add to it as the run goes
+    applied: set[int] = set()  # step numbers whose aborts have happened
+
+    def let_in() -> None:
         while order and arrivals[order[0]].time <= clock.now:
             i = order.pop(0)
             a = arrivals[i]
             prompt = list(a.prompt) if a.prompt is not None else [1] * a.prompt_len
             engine.add_request(prompt, SamplingParams(max_new_tokens=a.output_len, ignore_eos=True),
                                priority=a.priority, request_id=f"r{i}")
-        for request_id in aborts.get(step, []):
-            engine.abort(request_id)
-        if engine.has_work():
-            engine.step()
-            step += 1
-            if after_step:
-                after_step(engine)
-        elif order:  # idle until the next arrival
+        if len(engine.stats) not in applied:
+            applied.add(len(engine.stats))
+            for request_id in aborts.get(len(engine.stats), []):
+                engine.abort(request_id)
+
+    def next_arrival() -> bool:  # idle: move the clock to the next arrival, if there is one
+        if order:
             clock.now = arrivals[order[0]].time
+        return bool(order)
+
+    steps = [0]
+
+    def after(outputs: list[RequestOutput]) -> None:  # only after a step that ran, not one that only reported ends
+        if after_step and len(engine.stats) > steps[0]:
+            after_step(engine)
+        steps[0] = len(engine.stats)
+
+    drive(engine, after, let_in, next_arrival)
     return engine
 
 

@@ -9,12 +9,8 @@ import random
 import time
 from dataclasses import dataclass, field
 
-from typing import TYPE_CHECKING
-
+from aie_lessons.engine.engine import Engine, drive
 from aie_lessons.sampling import SamplingParams
-
-if TYPE_CHECKING:
-    from aie_lessons.engine.engine import Engine
 
 
 def mixed_workload(n: int, seed: int, prompt_lens: tuple[int, int], output_lens: tuple[int, int],
@@ -60,15 +56,18 @@ def run_workload(engine: Engine, workload: list[tuple[list[int], SamplingParams]
     start (all at once by default) — and summarize. The engine's clock must be wall-clock seconds."""
     start, first_step = time.perf_counter(), len(engine.stats)
     pending, requests = list(workload), []
-    while pending or engine.has_work():
-        elapsed = time.perf_counter() - start
-        while pending and len(requests) * gap <= elapsed:
+
+    def let_in() -> None:
+        while pending and len(requests) * gap <= time.perf_counter() - start:
             prompt, params = pending.pop(0)
             requests.append(engine.add_request(prompt, params))
-        if engine.has_work():
-            engine.step()
-        elif pending:  # idle until the next arrival
-            time.sleep(len(requests) * gap - elapsed)
+
+    def next_arrival() -> bool:  # idle: sleep until the next arrival, if there is one
+        if pending:
+            time.sleep(max(len(requests) * gap - (time.perf_counter() - start), 0.0))
+        return bool(pending)
+
+    drive(engine, before_step=let_in, when_idle=next_arrival)
     seconds = time.perf_counter() - start
     itl = [s.end - s.start for s in engine.stats[first_step:] for _ in range(s.decode_rows)]
     return RunSummary(seconds, sum(len(r.output_ids) for r in requests), [r.ttft for r in requests],

@@ -5,13 +5,21 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+
+from typing import TYPE_CHECKING
+
+from aie_lessons.engine.output_processor import read_output
+
+if TYPE_CHECKING:
+    from aie_lessons.engine.outputs import RequestOutput
+    from aie_lessons.output import OutputStream
 
 
 @dataclass(frozen=True)
 class Event:
-    """What the engine thread tells a request's handler: a piece of text, or the end (``final``).
+    """What a request's handler reads: a piece of text, or the end (``final``).
 
     The last event carries the usage (tokens in and out) and why the request ended —
     "eos", "stop", "length", "abort" (a client left, or the server stopped) or "error" (the
@@ -30,35 +38,60 @@ class Event:
 
 
 class TokenQueue:
-    """A request's events: ``put`` from the engine thread, ``events()`` on the event loop.
+    """A request's outputs, ``put`` by the engine thread; its ``events()``, read on the event loop.
 
     ``asyncio.Queue`` belongs to its event loop and is not thread-safe: a ``put_nowait`` from
     another thread would change it behind the loop's back and, worse, would not wake a loop that
     is waiting for the network, so the event would sit there until something else happened.
     ``call_soon_threadsafe`` hands the ``put_nowait`` to the loop itself and wakes it.
+
+    Text is made on the loop's side, from the request's ``OutputStream``, as soon as an output
+    arrives — not when the handler reads it, which a slow client delays: the engine thread only
+    computes, and a stop string ends the request at once. ``on_stop`` is called once when the
+    stream stops at a stop string the engine cannot see (it ends the request there).
     """
 
-    def __init__(self, loop: asyncio.AbstractEventLoop):
+    def __init__(self, loop: asyncio.AbstractEventLoop, stream: OutputStream,
+                 on_stop: Callable[[], object] = lambda: None):
         self.loop = loop
+        self.stream = stream
+        self.on_stop = on_stop
         self.queue: asyncio.Queue[Event] = asyncio.Queue()
+        self._ended = False  # the final event is queued: later outputs (the engine's echo of a stop) are dropped
 
-    def put(self, event: Event) -> bool:
-        """Called on the engine thread: never blocks it (the queue has no bound). False if the
-        event loop has closed — the process is exiting, and nobody is left to read the event.
+    def put(self, output: RequestOutput, error: str | None = None) -> bool:
+        """Called on the engine thread: never blocks it (the queue has no bound). ``error`` says
+        what went wrong when the engine thread ends the request with "error". False if the event
+        loop has closed — the process is exiting, and nobody is left to read the output.
 
         Asking ``loop.is_closed()`` first and then putting would race: the loop can close in
         between, and the put would raise on the engine thread. So the put is tried, and the one
         error a closed loop gives is told apart from any other by asking after it."""
         try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
+            self.loop.call_soon_threadsafe(self._receive, output, error)
         except RuntimeError:
             if not self.loop.is_closed():
                 raise
             return False
         return True
 
+    def _receive(self, output: RequestOutput, error: str | None) -> None:
+        """On the event loop, the moment an output arrives: its text, as events."""
+        if self._ended:
+            return
+        text = read_output(self.stream, output)
+        if not self.stream.finished:
+            if text:
+                self.queue.put_nowait(Event(text=text))
+            return
+        self._ended = True
+        if not output.finished:  # a stop string: the engine, which sees no text, goes on until told
+            self.on_stop()
+        result = self.stream.result
+        self.queue.put_nowait(Event(text, result.finish_reason, len(result.prompt_ids), len(result.token_ids), error))
+
     async def events(self) -> AsyncIterator[Event]:
-        """The events in order, up to and including the final one."""
+        """The request's events in order, up to and including the final one."""
         while True:
             event = await self.queue.get()
             yield event
