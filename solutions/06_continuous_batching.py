@@ -906,9 +906,9 @@ class EngineLoad:
 #   sampled token — `now` for one sampled now, still `None` while nothing has been sampled;
 # * a request whose new token is one of its `stop_ids` has ended with reason `"eos"` (even when
 #   it was also the last token allowed); otherwise one that now holds `params.max_new_tokens`
-#   output tokens has ended with `"length"`. A request ends through
-#   `scheduler.finish(request, reason, now)`, which takes it out of the batch, frees its KV and
-#   marks it finished;
+#   output tokens has ended with `"length"`. A request ends through the scheduler's `finish`
+#   (given the request, its reason and the time), which takes it out of the batch, frees its KV
+#   and marks it finished;
 # * the return value is a list of one `RequestOutput` per sampling chunk, in the schedule's
 #   order: the request's id, its new token (a 1-tuple), and the reason it ended, or `None`.
 

@@ -13,7 +13,6 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 
 from aie_lessons.checks.common import CheckFailed, call, fail, isolated, passed
-from aie_lessons.sampling import SamplingParams
 
 
 # --- stand-ins --------------------------------------------------------------------------------
@@ -416,7 +415,8 @@ def check_postprocess(postprocess, Scheduler, SchedulerConfig, ScheduledChunk, S
     requests, chunks, tokens = {}, [], []
     for rid, prompt, outputs, computed, length, limit, token, ignore_eos in plan:
         r = _request(rid, len(requests), prompt, computed=computed, outputs=outputs)
-        r.params = SamplingParams(max_new_tokens=limit, ignore_eos=ignore_eos)
+        # the fields of SamplingParams a postprocess may read (the checks import no learner module)
+        r.params = SimpleNamespace(max_new_tokens=limit, ignore_eos=ignore_eos, stop=(), temperature=0.0)
         r.stop_ids = frozenset() if ignore_eos else frozenset({0})
         if outputs:
             r.metrics.first_token = 1.0
