@@ -7,17 +7,19 @@ own ``StepStats`` (scheduling, preparing, sampling and postprocessing included: 
 The two engines alternate for ``--rounds`` rounds and the median of each is kept: this machine is
 shared and its speed drifts, so every ratio is taken within one run. Run the script several times.
 
-The compiled fp32 engine must keep the eager engine's greedy tokens; with bf16 weights the
-compiled products round the activations to bf16 while the eager engine converts the weights to
-fp32, so its tokens may differ and are only counted.
+The compiled engine is built as ``aie serve`` builds it (``build_engine``): with bf16 weights it
+multiplies in bf16 where a bf16 product is measured no slower than an fp32 one here, and in fp32
+otherwise, saying so. The compiled fp32 engine must keep the eager engine's greedy tokens; with
+bf16 weights the compiled products may round the activations to bf16 while the eager engine
+converts the weights to fp32, so its tokens may differ and are only counted.
 
 The target (from the course's profiling issue): the compiled engine at 16 running requests
 ≥ 1.5× the eager engine. In fp32 most of a 16-row step is its thin matrix products (16 rows by
 576-column matrices, far below the BLAS library's peak on large squares), and compiling only
 removes what lies between them: the products are timed alone and the bound they set is printed.
 
-OpenMP threads wait passively here (``OMP_WAIT_POLICY=PASSIVE`` unless the environment sets it),
-as in ``benchmarks/throughput.py``.
+OpenMP waits as in ``aie generate`` and ``aie serve`` (its default, unless ``OMP_WAIT_POLICY``
+is set), as in ``benchmarks/throughput.py``.
 
     .venv/bin/python benchmarks/engine_decode.py [--rows 1,4,16] [--new-tokens 64] [--rounds 3] [--device cuda]
 """
@@ -25,18 +27,16 @@ as in ``benchmarks/throughput.py``.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import time
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch starts OpenMP
 from aie_lessons.infra.compile_cache import use_compile_cache  # noqa: E402
 
 use_compile_cache()  # what torch.compile builds goes to data/cache/inductor, a folder per ATEN_CPU_CAPABILITY
 import torch  # noqa: E402
 
 from aie_lessons.ceilings import products_seconds  # noqa: E402
-from aie_lessons.engine.compiled_runner import compiled_engine  # noqa: E402
+from aie_lessons.engine.engine_config import EngineConfig, build_engine  # noqa: E402
 from aie_lessons.engine.engine import Engine, drive  # noqa: E402
 from aie_lessons.engine.paged_engine import paged_engine  # noqa: E402
 from aie_lessons.fast_decode import decode_groups  # noqa: E402
@@ -83,7 +83,8 @@ def main() -> None:
     for weights, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
         model = LlamaModel.from_pretrained(model_dir, dtype=dtype, device=args.device)
         eager = paged_engine(model, tokenizer, max_seqs=rows[-1], kv_bytes=KV_BYTES)
-        compiled = compiled_engine(model, tokenizer, max_seqs=rows[-1], kv_bytes=KV_BYTES, buckets=tuple(rows))
+        config = EngineConfig(max_seqs=rows[-1], kv_bytes=KV_BYTES, step="compiled", buckets=tuple(rows))
+        compiled = build_engine(model, tokenizer, config, on_note=lambda note: print(f"{weights}: {note}"))
         matrices = [torch.cat(group) for group in decode_groups(model)]  # the step's products, timed alone
         start = time.perf_counter()
         compiled.runner.warm_up()

@@ -25,13 +25,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import math
-import os
 import statistics
 import tempfile
 import time
 from pathlib import Path
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as `aie serve` does, so that both sides run alike
 from aie_lessons.infra.compile_cache import use_compile_cache  # noqa: E402
 
 use_compile_cache()  # what torch.compile builds goes to data/cache/inductor, a folder per ATEN_CPU_CAPABILITY

@@ -17,7 +17,7 @@ the same; with bf16 or quantized weights the two prefills (one contiguous cache,
 read through a masked attention call) round differently, so a near-tie may go the other way:
 the first differing token is reported, not refused.
 
-OpenMP threads wait passively (``OMP_WAIT_POLICY=PASSIVE`` unless set), as ``aie serve`` does.
+OpenMP waits as in ``aie generate`` (its default, unless ``OMP_WAIT_POLICY`` is set).
 
     .venv/bin/python benchmarks/single_prompt.py [--weights fp32,bf16,int8,int4-g32] [--tokens 96] [--rounds 3]
 """
@@ -25,11 +25,9 @@ OpenMP threads wait passively (``OMP_WAIT_POLICY=PASSIVE`` unless set), as ``aie
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import time
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch starts OpenMP
 from aie_lessons.infra.compile_cache import use_compile_cache  # noqa: E402
 
 use_compile_cache()  # before anything imports inductor

@@ -411,7 +411,6 @@ def test_serve_keeps_compiled_code_in_the_courses_cache(tiny_dir, tmp_path, monk
     import aie_lessons.server.serve as serve_module
 
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
-    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")  # aie serve sets it: undone after the test
     monkeypatch.setattr(cache, "INDUCTOR_CACHE", tmp_path / "inductor")
     seen = {}
 
@@ -429,7 +428,6 @@ def test_serve_step_compiled_without_a_compiler_is_refused_before_the_model_load
     import aie_lessons.server.serve as serve_module
     from aie_lessons.infra import compile_cache
 
-    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")  # aie serve sets it: undone after the test
     monkeypatch.setattr(compile_cache, "cpp_compiler", lambda: None)
     monkeypatch.setattr(serve_module, "serve", lambda config: pytest.fail("the server started"))
     code, out, err = aie(capsys, "serve", "--model", "/nowhere", "--step", "compiled")
