@@ -486,8 +486,8 @@ def _generate(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace) -> int:
     """Stage 10: the engine behind an OpenAI-compatible HTTP API, until SIGTERM or Ctrl-C drains it.
 
-    OpenMP keeps its default wait (its threads spin briefly between two parallel loops, then
-    sleep): with ``OMP_WAIT_POLICY=PASSIVE`` a saturated server on a 2-core Zen 3 gave 30.6
+    OpenMP keeps its default wait unless ``OMP_WAIT_POLICY`` is set (its threads spin briefly
+    between two parallel loops, then sleep): with ``OMP_WAIT_POLICY=PASSIVE`` a saturated server on a 2-core Zen 3 gave 30.6
     instead of 38.5 tok/s, each thread waking from sleep for every one of a step's hundreds of
     small operations."""
     try:

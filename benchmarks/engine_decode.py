@@ -18,8 +18,8 @@ The target (from the course's profiling issue): the compiled engine at 16 runnin
 576-column matrices, far below the BLAS library's peak on large squares), and compiling only
 removes what lies between them: the products are timed alone and the bound they set is printed.
 
-OpenMP waits as in ``aie generate`` and ``aie serve`` (its default, unless ``OMP_WAIT_POLICY``
-is set), as in ``benchmarks/throughput.py``.
+OpenMP waits as ``aie generate`` and ``aie serve`` let it (its default, unless
+``OMP_WAIT_POLICY`` is set), like every benchmark here.
 
     .venv/bin/python benchmarks/engine_decode.py [--rows 1,4,16] [--new-tokens 64] [--rounds 3] [--device cuda]
 """
@@ -89,7 +89,7 @@ def main() -> None:
         start = time.perf_counter()
         compiled.runner.warm_up()
         print(f"{weights}: compiled buckets {compiled.runner.buckets} in {time.perf_counter() - start:.0f} s "
-              "(or loaded from inductor's cache)", flush=True)
+              f"(or loaded from inductor's cache), products in {compiled.runner.block.dtype}", flush=True)
         for running in rows:
             rates: dict[str, list[float]] = {"eager": [], "compiled": []}
             tokens = {}

@@ -934,7 +934,7 @@ def postprocess(schedule: Schedule, tokens: list[int], scheduler: Scheduler, now
     outputs: list[RequestOutput] = []
     # BEGIN EXERCISE 6.4: advance every request; give each sampling chunk its token, end the requests at EOS or max_new_tokens, and return one RequestOutput per sampling chunk
     # Hint 1: The tokens line up with the sampling chunks only, not with all chunks: a prefill chunk that stops short of its prompt's end produced no token. Every chunk did move its request forward, though, and a request that is done must give its KV back in the same step.
-    # Hint 2: Walk every chunk once, keeping your place in the tokens separately (an iterator). A chunk that does not sample only moves its request forward. For one that samples, decide the reason (if any) from the token just added and the output's new length, then end the request through the scheduler before recording its output.
+    # Hint 2: Walk every chunk once, keeping your place in the tokens separately (an iterator). A chunk that does not sample only moves its request forward. For one that samples, decide the reason (if any) from the token just added and the output's new length: a request with a reason ends through the scheduler, and every sampling chunk, ended or not, gets its RequestOutput.
     sampled = iter(tokens)
     for chunk in schedule.chunks:
         request = chunk.request
@@ -1302,8 +1302,8 @@ class OutputProcessor:
     def add(self, request: Request, on_text: Callable[[str], None] | None = None) -> GenerationResult:
         """Follow a request the engine has accepted; its result fills in as the steps run.
         ``on_text`` gets each new piece of text; if it raises, its request alone ends ("error")."""
-        stream = OutputStream(self.engine.tokenizer, request.prompt_ids, request.params, set(request.stop_ids),
-                              on_text and self._guarded(request.id, on_text))
+        stream = OutputStream(self.engine.tokenizer, request.prompt_ids, request.params, self.engine.stop_ids,
+                              on_text and self._guarded(request.id, on_text))  # as the server's, in stage 10
         self.streams[request.id] = stream
         return stream.result
 
@@ -1368,7 +1368,14 @@ engine_demo = Engine.from_model(model, tokenizer, max_seqs=2, token_budget=64, m
 processor = OutputProcessor(engine_demo)
 request = engine_demo.add_request("The capital of France is", SamplingParams(max_new_tokens=24, stop=(".",)))
 text = processor.add(request)
-drive(engine_demo, lambda outputs: print(outputs, "->", processor.process(outputs) or ""))
+
+
+def show(outputs: list[RequestOutput]) -> None:
+    final = processor.process(outputs)  # the requests whose text is complete
+    print(outputs, f"-> the text of {', '.join(final)} is complete" if final else "")
+
+
+drive(engine_demo, show)
 print(f"text {text.text!r}, finish_reason {text.finish_reason!r}; the engine sampled {len(request.output_ids)} "
       f"tokens, the text holds {len(text.token_ids)}")
 

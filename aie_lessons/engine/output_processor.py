@@ -45,8 +45,8 @@ class OutputProcessor:
     def add(self, request: Request, on_text: Callable[[str], None] | None = None) -> GenerationResult:
         """Follow a request the engine has accepted; its result fills in as the steps run.
         ``on_text`` gets each new piece of text; if it raises, its request alone ends ("error")."""
-        stream = OutputStream(self.engine.tokenizer, request.prompt_ids, request.params, set(request.stop_ids),
-                              on_text and self._guarded(request.id, on_text))
+        stream = OutputStream(self.engine.tokenizer, request.prompt_ids, request.params, self.engine.stop_ids,
+                              on_text and self._guarded(request.id, on_text))  # as the server's, in stage 10
         self.streams[request.id] = stream
         return stream.result
 
