@@ -58,7 +58,8 @@ notebooks: venv model
 	$(PY) -m aie_lessons.course.build
 
 ## bench: decode speed of our decoders vs transformers, llama.cpp (the same weights) and the memory
-## roofline, then the engine's compiled decode step vs the eager engine at 1, 4 and 16 requests, then
+## roofline, then the course's integer kernels vs PyTorch's on a step's quantized matrices, then the
+## engine's compiled decode step vs the eager engine at 1, 4 and 16 requests, then
 ## `aie generate` from the outside (start-up and decode rate, compiled ahead of time vs the cached
 ## loop vs transformers); ratios, one run each. The first run builds llama-cpp-python from source.
 LLAMA_CPP := $(VENV)/.llama-cpp
@@ -68,6 +69,7 @@ $(LLAMA_CPP): $(STAMP)
 
 bench: venv model $(LLAMA_CPP)
 	$(PY) benchmarks/decode.py
+	$(PY) benchmarks/int_kernels.py
 	$(PY) benchmarks/engine_decode.py
 	$(PY) benchmarks/cli_startup.py
 

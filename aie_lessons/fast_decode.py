@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from aie_lessons.generate import check_prompt, collect, open_streams
+from aie_lessons.infra import int_kernels
 from aie_lessons.kv_cache import KVCache, kv_cache_bytes
 from aie_lessons.model import LAST_POSITION, AttentionMetadata, LlamaModel, rms_norm, rope_cos_sin
 from aie_lessons.quantize import (INT4_KERNEL_GROUP_SIZES, QuantizedLinear, QuantScheme, kernel_fits,
@@ -525,36 +526,50 @@ class FastDecoder:
 
 @dataclass
 class KernelMatrix:
-    """One group of quantized layers stacked, in the layout PyTorch's CPU kernel reads."""
+    """One group of quantized layers stacked, in the layout its kernel reads: the course's
+    integer kernels (``kernel="aie"``, ``infra/int_kernels``) or PyTorch's (``"pytorch"``)."""
 
     weights: torch.Tensor
     scales: torch.Tensor
     scheme: QuantScheme
+    kernel: str = "pytorch"
 
     @property
     def nbytes(self) -> int:
-        """What a step reads of it: the integers in the kernel's layout and their bf16 scales."""
+        """What a step reads of it: the integers in the kernel's layout and their scales."""
         return self.weights.nbytes + self.scales.nbytes
 
 
 def kernel_matrix(group: list[QuantizedLinear]) -> KernelMatrix:
-    """A group of layers quantized with one scheme as one ``KernelMatrix``. A row's int8 scale
+    """A group of layers quantized with one scheme as one ``KernelMatrix``: for the course's
+    integer kernels where they run and take the layers, PyTorch's otherwise. A row's int8 scale
     and an int4 group lie within one layer's row, so stacking the integers, scales and zeros
-    changes no number; a single layer lends its own layout."""
+    changes no number; a single PyTorch-kernel layer lends its own layout."""
+    scheme = group[0].scheme
+    if int_kernels.unavailable() is None and int_kernels.fits(scheme.bits, scheme.group_size, group[0].in_features):
+        q, scale, zero = (torch.cat([getattr(layer, name) for layer in group]) for name in ("q", "scale", "zero"))
+        if scheme.bits == 8:
+            return KernelMatrix(q, scale, scheme, "aie")
+        return KernelMatrix(*int_kernels.int4_layout(q, scale, zero), scheme, "aie")
     if len(group) == 1:
-        return KernelMatrix(*group[0].kernel_weights(), group[0].scheme)
+        return KernelMatrix(*group[0].kernel_weights(), scheme)
     stacked = [torch.cat([getattr(layer, name) for layer in group]) for name in ("q", "scale", "zero")]
-    return KernelMatrix(*kernel_layout(*stacked, group[0].scheme), group[0].scheme)
+    return KernelMatrix(*kernel_layout(*stacked, scheme), scheme)
 
 
 def quantized_matvec(x: torch.Tensor, weight: Any) -> torch.Tensor:
     """``matvec`` for a quantized model: x (B, K) fp32 times a ``KernelMatrix``, a tuple of
-    matrices (a group of mixed schemes), or a float matrix -> (B, N) fp32. The kernels take bf16
-    rows, so x is rounded to bf16 for them, as stage 08's layers do with bf16 activations: the
-    tokens can therefore differ from those of the same model run with fp32 activations. A float
-    matrix (an unquantized head) is ``gemv``'s at batch 1 and ``linear``'s for a batch."""
+    matrices (a group of mixed schemes), or a float matrix -> (B, N) fp32. The course's kernels
+    round x to int8 per block of 32, PyTorch's take it rounded to bf16 (as stage 08's layers do
+    with bf16 activations): either way the tokens can differ from those of the same model run
+    with fp32 activations. A float matrix (an unquantized head) is ``gemv``'s at batch 1 and
+    ``linear``'s for a batch."""
     if isinstance(weight, tuple):
         return torch.cat([quantized_matvec(x, part) for part in weight], dim=-1)
+    if isinstance(weight, KernelMatrix) and weight.kernel == "aie":
+        if weight.scheme.bits == 8:
+            return int_kernels.int8_linear(x, weight.weights, weight.scales)
+        return int_kernels.int4_linear(x, weight.weights, weight.scales, weight.scheme.group_size)
     if isinstance(weight, KernelMatrix):
         return kernel_matmul(x.to(torch.bfloat16), weight.weights, weight.scales, weight.scheme).float()
     return gemv(x, weight) if x.shape[0] == 1 else linear(x, weight)
@@ -600,8 +615,9 @@ def pack_quantized(model: LlamaModel) -> list[Any]:
 
 
 class QuantizedFastDecoder(FastDecoder):
-    """``FastDecoder`` for a model quantized by stage 08: integer weights read by PyTorch's CPU
-    kernels inside the compiled step, float layers (an unquantized head) as before.
+    """``FastDecoder`` for a model quantized by stage 08: integer weights read by the course's
+    integer kernels (or PyTorch's, where those cannot run) inside the compiled step, float
+    layers (an unquantized head) as before.
 
     The kernels exist on the CPU, for int8 and for int4 in groups of 32, 64, 128 or 256 with
     outputs in tiles of 16: anything else is refused here, naming the layer. A group whose

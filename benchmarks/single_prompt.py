@@ -6,7 +6,8 @@ sampler, streaming detokenizer) with its step compiled ahead of time for one row
 through the same compiler (``AheadOfTime``): the engine adds its bookkeeping, the paged cache's
 gather and a head that returns logits to the sampler. The target (the issue "one engine, one fast
 path"): the engine's decode rate at least 0.95x the decoder's, for fp32 and bf16 weights and for
-stage 08's int8 and int4-g32 (read by PyTorch's CPU kernels in both).
+stage 08's int8 and int4-g32 (read by the same integer kernels in both: the course's on x86,
+``benchmarks/int_kernels.py``).
 
 Each round runs one greedy request of ``--tokens`` tokens (EOS ignored) through each system in
 turn; the decoder's decode rate is its tokens after the first over the time from the first token

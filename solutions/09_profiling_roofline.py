@@ -791,8 +791,9 @@ for running in (1, 16):
 #    fixed cost (guards, the wrapper, allocating outputs) paid while the memory idles; one call
 #    for five layers pays it for five layers at once (the cell prints the calls per step). The
 #    compiler unrolls the layers, so its code grows with them.
-# 8. **int8 and int4 weights** — stage 08's schemes, read by PyTorch's integer kernels inside
-#    the compiled step: fewer bytes again (each rung prints its bytes per step).
+# 8. **int8 and int4 weights** — stage 08's schemes, read by integer kernels (the course's own
+#    on x86, PyTorch's elsewhere) inside the compiled step: fewer bytes again (each rung prints
+#    its bytes per step).
 #
 # The decoders are stage 04's contract — same prompt, same tokens — so each rung's cell also
 # says whether its tokens changed. First the building blocks, then your rung.
@@ -861,6 +862,7 @@ import torch
 import torch.nn.functional as F
 
 from aie_lessons.generate import check_prompt, collect, open_streams
+from aie_lessons.infra import int_kernels
 from aie_lessons.kv_cache import KVCache, kv_cache_bytes
 from aie_lessons.model import LAST_POSITION, AttentionMetadata, LlamaModel, rms_norm, rope_cos_sin
 from aie_lessons.quantize import (INT4_KERNEL_GROUP_SIZES, QuantizedLinear, QuantScheme, kernel_fits,
@@ -1522,12 +1524,21 @@ measure_rung("7. five layers per call", steps_per_second(rung7.tokens(ladder_pro
 # %% [markdown]
 # The last rung reads stage 08's integers. PyTorch's CPU kernels multiply one bf16 row by int8
 # weights with a scale per row, or by int4 weights in its own tiled layout with a scale and a
-# zero per group — the layout `QuantizedLinear.kernel_weights` makes. `QuantizedFastDecoder`
-# takes a model quantized by stage 08's `quantize_model` — so the prefill runs the same
-# quantized layers — and stacks each group's integers and scales into one kernel matrix (a
-# row's int8 scale, or an int4 group, never spans two layers, so stacking changes no number).
-# Its `matvec` rounds the fp32 input vector to bf16 for the kernel, as stage 08's layers do,
-# and returns fp32. The model is loaded in bf16 here, so that the output head, which stays
+# zero per group — the layout `QuantizedLinear.kernel_weights` makes. Without AVX-512 they turn
+# each weight into a float before multiplying, which makes them compute-bound: on an AVX2-only
+# Zen 3 the int4 kernel read its weights at a third of the speed a bf16 matrix streams. So on
+# x86 CPUs the course brings its own (`aie_lessons/infra/int_kernels.cpp`, built with the C++
+# compiler at first use): it rounds the input row to int8 in blocks of 32 — one scale a block,
+# like llama.cpp's Q8_0 — and multiplies 32 weight bytes by 32 input bytes in one AVX2
+# instruction, the weights staying as stage 08 stored them. The rounding of the input costs
+# about 1 % of a product's largest output; the check after the ladder says whether the tokens
+# still agree with fp32. Elsewhere (an Arm Mac, no compiler) PyTorch's kernels take the call.
+#
+# `QuantizedFastDecoder` takes a model quantized by stage 08's `quantize_model` — so the prefill
+# runs the same quantized layers — and stacks each group's integers and scales into one kernel
+# matrix (a row's int8 scale, or an int4 group, never spans two layers, so stacking changes no
+# number). Its `matvec` takes and returns fp32 rows (PyTorch's kernels get them rounded to bf16,
+# as stage 08's layers do). The model is loaded in bf16 here, so that the output head, which stays
 # unquantized as in stage 08, reads half fp32's bytes. (Remember stage 08's finding when
 # reading their agreement with fp32: the checkpoint was a 4-bit file with groups of 32, so
 # int4-g32 finds its grid exactly, and int8, one scale per row, cannot.)
@@ -1536,36 +1547,50 @@ measure_rung("7. five layers per call", steps_per_second(rung7.tokens(ladder_pro
 # export: fast_decode
 @dataclass
 class KernelMatrix:
-    """One group of quantized layers stacked, in the layout PyTorch's CPU kernel reads."""
+    """One group of quantized layers stacked, in the layout its kernel reads: the course's
+    integer kernels (``kernel="aie"``, ``infra/int_kernels``) or PyTorch's (``"pytorch"``)."""
 
     weights: torch.Tensor
     scales: torch.Tensor
     scheme: QuantScheme
+    kernel: str = "pytorch"
 
     @property
     def nbytes(self) -> int:
-        """What a step reads of it: the integers in the kernel's layout and their bf16 scales."""
+        """What a step reads of it: the integers in the kernel's layout and their scales."""
         return self.weights.nbytes + self.scales.nbytes
 
 
 def kernel_matrix(group: list[QuantizedLinear]) -> KernelMatrix:
-    """A group of layers quantized with one scheme as one ``KernelMatrix``. A row's int8 scale
+    """A group of layers quantized with one scheme as one ``KernelMatrix``: for the course's
+    integer kernels where they run and take the layers, PyTorch's otherwise. A row's int8 scale
     and an int4 group lie within one layer's row, so stacking the integers, scales and zeros
-    changes no number; a single layer lends its own layout."""
+    changes no number; a single PyTorch-kernel layer lends its own layout."""
+    scheme = group[0].scheme
+    if int_kernels.unavailable() is None and int_kernels.fits(scheme.bits, scheme.group_size, group[0].in_features):
+        q, scale, zero = (torch.cat([getattr(layer, name) for layer in group]) for name in ("q", "scale", "zero"))
+        if scheme.bits == 8:
+            return KernelMatrix(q, scale, scheme, "aie")
+        return KernelMatrix(*int_kernels.int4_layout(q, scale, zero), scheme, "aie")
     if len(group) == 1:
-        return KernelMatrix(*group[0].kernel_weights(), group[0].scheme)
+        return KernelMatrix(*group[0].kernel_weights(), scheme)
     stacked = [torch.cat([getattr(layer, name) for layer in group]) for name in ("q", "scale", "zero")]
-    return KernelMatrix(*kernel_layout(*stacked, group[0].scheme), group[0].scheme)
+    return KernelMatrix(*kernel_layout(*stacked, scheme), scheme)
 
 
 def quantized_matvec(x: torch.Tensor, weight: Any) -> torch.Tensor:
     """``matvec`` for a quantized model: x (B, K) fp32 times a ``KernelMatrix``, a tuple of
-    matrices (a group of mixed schemes), or a float matrix -> (B, N) fp32. The kernels take bf16
-    rows, so x is rounded to bf16 for them, as stage 08's layers do with bf16 activations: the
-    tokens can therefore differ from those of the same model run with fp32 activations. A float
-    matrix (an unquantized head) is ``gemv``'s at batch 1 and ``linear``'s for a batch."""
+    matrices (a group of mixed schemes), or a float matrix -> (B, N) fp32. The course's kernels
+    round x to int8 per block of 32, PyTorch's take it rounded to bf16 (as stage 08's layers do
+    with bf16 activations): either way the tokens can differ from those of the same model run
+    with fp32 activations. A float matrix (an unquantized head) is ``gemv``'s at batch 1 and
+    ``linear``'s for a batch."""
     if isinstance(weight, tuple):
         return torch.cat([quantized_matvec(x, part) for part in weight], dim=-1)
+    if isinstance(weight, KernelMatrix) and weight.kernel == "aie":
+        if weight.scheme.bits == 8:
+            return int_kernels.int8_linear(x, weight.weights, weight.scales)
+        return int_kernels.int4_linear(x, weight.weights, weight.scales, weight.scheme.group_size)
     if isinstance(weight, KernelMatrix):
         return kernel_matmul(x.to(torch.bfloat16), weight.weights, weight.scales, weight.scheme).float()
     return gemv(x, weight) if x.shape[0] == 1 else linear(x, weight)
@@ -1611,8 +1636,9 @@ def pack_quantized(model: LlamaModel) -> list[Any]:
 
 
 class QuantizedFastDecoder(FastDecoder):
-    """``FastDecoder`` for a model quantized by stage 08: integer weights read by PyTorch's CPU
-    kernels inside the compiled step, float layers (an unquantized head) as before.
+    """``FastDecoder`` for a model quantized by stage 08: integer weights read by the course's
+    integer kernels (or PyTorch's, where those cannot run) inside the compiled step, float
+    layers (an unquantized head) as before.
 
     The kernels exist on the CPU, for int8 and for int4 in groups of 32, 64, 128 or 256 with
     outputs in tiles of 16: anything else is refused here, naming the layer. A group whose
@@ -2023,7 +2049,7 @@ class CompiledPagedRunner(PagedModelRunner):
 
 def compiled_step_refusal(model: LlamaModel) -> str | None:
     """Why the compiled step cannot run ``model``, or None: it multiplies fp32 or bf16 weights,
-    or stage 08's int8 / int4 ones that PyTorch's CPU kernels read, with fp32 activations."""
+    or stage 08's int8 / int4 ones that CPU integer kernels read, with fp32 activations."""
     if model.activations != torch.float32:
         return (f"the compiled step computes in fp32, but this model's activations are {model.activations}. "
                 "Fix: load the model with activations=torch.float32 (the default)")

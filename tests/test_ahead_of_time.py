@@ -121,9 +121,13 @@ def test_compiled_ahead_the_step_gives_the_eager_logits(tiny_untied_dir, dtype, 
 def test_quantized_weights_compile_ahead_through_the_kernels(tiny_dir, tmp_path):
     """int4-g32 integers and their scales travel as inputs; the scheme is compiled in."""
     model = quantize_model(LlamaModel.from_pretrained(tiny_dir), "int4-g32")
-    eager = QuantizedFastDecoder(model, compile=False).forced_logits(IDS[:5], IDS[5:])
+    eager_decoder = QuantizedFastDecoder(model, compile=False)
+    eager = eager_decoder.forced_logits(IDS[:5], IDS[5:])
     decoder = QuantizedFastDecoder(model, compile=AheadOfTime(tmp_path))
-    assert (decoder.forced_logits(IDS[:5], IDS[5:]) - eager).abs().max().item() <= 1e-4
+    # The course's integer kernels (an operator of their own inside the package) round inputs to
+    # int8 steps, which a float rounding of the compiled inputs can cross: see test_fast_decode.
+    bound = 3 / 127 * eager.abs().max().item() if eager_decoder.layers[0].qkv.kernel == "aie" else 1e-4
+    assert (decoder.forced_logits(IDS[:5], IDS[5:]) - eager).abs().max().item() <= bound
 
 
 @pytest.mark.slow

@@ -554,14 +554,46 @@ BAD_INPUTS = [
 ]
 
 
+def run_in_process(args: list[str], capsys) -> tuple[int, str]:
+    """``aie ARGS`` through ``cli.main`` — the function the console script calls — in this Python:
+    (exit status, stderr). A bad input fails before any work, so a new Python per case would be
+    mostly torch's import (27 cases took 200 s of the suite that way); the environment is put
+    back afterwards, as a process of its own would leave it."""
+    from aie_lessons import cli
+
+    environ = dict(os.environ)
+    try:
+        status = cli.main(args)
+    except SystemExit as exit:  # argparse's errors leave through sys.exit(2)
+        status = exit.code
+    finally:
+        os.environ.clear()
+        os.environ.update(environ)
+    return status, capsys.readouterr().err
+
+
+def assert_one_line(status: int, stderr: str, message: str) -> None:
+    lines = [line for line in stderr.splitlines() if line.strip() and "note:" not in line]
+    assert status == 2, stderr
+    assert message in stderr and "Traceback" not in stderr, stderr
+    assert len(lines) == 1, stderr
+
+
 @pytest.mark.parametrize("args, message", BAD_INPUTS, ids=lambda v: " ".join(v) if isinstance(v, tuple) else None)
-def test_bad_input_gets_one_line_and_exit_status_2(args, message, tiny_dir, broken_checkpoints, tmp_path):
+def test_bad_input_gets_one_line_and_exit_status_2(args, message, tiny_dir, broken_checkpoints, tmp_path, capsys):
     places = {"tiny": str(tiny_dir), "tmp": str(tmp_path), "broken": str(broken_checkpoints)}
-    out = run(*(a.format(**places) for a in args))
-    lines = [line for line in out.stderr.splitlines() if line.strip() and "note:" not in line]
-    assert out.returncode == 2, out.stderr
-    assert message in out.stderr and "Traceback" not in out.stderr, out.stderr
-    assert len(lines) == 1, out.stderr
+    assert_one_line(*run_in_process([a.format(**places) for a in args], capsys), message)
+
+
+@pytest.mark.parametrize("args, message", [
+    (("generate", "", "--model", "{tiny}"), "the prompt is empty"),  # the course's own error
+    (("frobnicate",), "invalid choice: 'frobnicate'"),  # argparse's
+])
+def test_the_console_script_reports_bad_input_in_one_line(args, message, tiny_dir):
+    """The same through the installed console script: nothing between it and ``cli.main`` adds
+    a traceback or another line."""
+    out = run(*(a.format(tiny=str(tiny_dir)) for a in args))
+    assert_one_line(out.returncode, out.stderr, message)
 
 
 def test_status_runs_the_named_stages_checks_and_lists_their_modules():

@@ -183,12 +183,19 @@ def test_layers_per_call_and_buckets_below_one_are_refused(tiny_untied_dir):
 @pytest.mark.parametrize("scheme", ["int8", "int4-g32"])
 @pytest.mark.parametrize("compile", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_quantized_weights_run_in_the_compiled_step_as_in_the_batch_1_decoder(tiny_untied_dir, scheme, compile,
-                                                                              fresh_dynamo):
+                                                                              fresh_dynamo, monkeypatch):
     """The engine's compiled step reads stage 08's integers through the same kernels and the same
     layer as ``QuantizedFastDecoder``: each request's greedy tokens are the decoder's, alone or
-    four at once (padded to buckets of 1, 2 and 4 as requests finish)."""
+    four at once (padded to buckets of 1, 2 and 4 as requests finish). Compiled, with PyTorch's
+    kernels: the course's round each input to int8 steps, which the compiled inputs, a float
+    rounding away from the eager decoder's, can cross, so equal tokens there would be luck (their
+    own tests bound the difference: test_int_kernels, test_fast_decode, test_ahead_of_time)."""
     from aie_lessons.fast_decode import QuantizedFastDecoder
+    from aie_lessons.infra import int_kernels
     from aie_lessons.quantize import quantize_model
+
+    if compile:
+        monkeypatch.setattr(int_kernels, "unavailable", lambda: "this test compares tokens: PyTorch's kernels")
 
     model = quantize_model(LlamaModel.from_pretrained(tiny_untied_dir), scheme)
     tokenizer = Tokenizer.from_pretrained(tiny_untied_dir)

@@ -222,7 +222,7 @@ class CompiledPagedRunner(PagedModelRunner):
 
 def compiled_step_refusal(model: LlamaModel) -> str | None:
     """Why the compiled step cannot run ``model``, or None: it multiplies fp32 or bf16 weights,
-    or stage 08's int8 / int4 ones that PyTorch's CPU kernels read, with fp32 activations."""
+    or stage 08's int8 / int4 ones that CPU integer kernels read, with fp32 activations."""
     if model.activations != torch.float32:
         return (f"the compiled step computes in fp32, but this model's activations are {model.activations}. "
                 "Fix: load the model with activations=torch.float32 (the default)")

@@ -60,7 +60,7 @@ from aie_lessons.infra.compile_cache import INDUCTOR_CACHE, INDUCTOR_CACHE_ENV, 
 
 # The modules whose code ends up inside a compiled step: a change to any must compile anew.
 STEP_SOURCES = ("aie_lessons.fast_decode", "aie_lessons.engine.compiled_runner", "aie_lessons.model",
-                "aie_lessons.quantize", __name__)
+                "aie_lessons.quantize", "aie_lessons.infra.int_kernels", __name__)
 
 
 def aot_folder() -> Path:
