@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
 
+from aie_lessons.ceilings import best_seconds
 from aie_lessons.fast_decode import decode_modules
 from aie_lessons.infra import int_kernels
 from aie_lessons.infra.paths import default_model_dir
@@ -35,17 +35,6 @@ def block_groups(model: LlamaModel) -> list[tuple[torch.Tensor, torch.Tensor, to
         if all(isinstance(layer, QuantizedLinear) for layer in group):
             groups.append(tuple(torch.cat([getattr(layer, name) for layer in group]) for name in ("q", "scale", "zero")))
     return groups
-
-
-def timed(call, passes: int = 3) -> float:
-    """Seconds of the fastest of ``passes`` calls, after one warm-up call."""
-    call()
-    best = float("inf")
-    for _ in range(passes):
-        start = time.perf_counter()
-        call()
-        best = min(best, time.perf_counter() - start)
-    return best
 
 
 def main() -> None:
@@ -78,8 +67,8 @@ def main() -> None:
             x = [torch.randn(rows, q.shape[1] * (2 if scheme.bits == 4 else 1)) for q, _, _ in groups]  # each input
             times = {"aie": [], "pytorch": []}
             for _ in range(args.rounds):
-                times["aie"].append(timed(lambda: aie(x)))
-                times["pytorch"].append(timed(lambda: pytorch(x)))
+                times["aie"].append(best_seconds(lambda: aie(x), 3))
+                times["pytorch"].append(best_seconds(lambda: pytorch(x), 3))
             bandwidth = read_bandwidth()[0]
             ours_s, theirs_s = statistics.median(times["aie"]), statistics.median(times["pytorch"])
             print(f"{name}, {rows} row(s), {len(groups)} matrices: "
