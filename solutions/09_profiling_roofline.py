@@ -1567,15 +1567,15 @@ def kernel_matrix(group: list[QuantizedLinear]) -> KernelMatrix:
     and an int4 group lie within one layer's row, so stacking the integers, scales and zeros
     changes no number; a single PyTorch-kernel layer lends its own layout."""
     scheme = group[0].scheme
-    if int_kernels.unavailable() is None and int_kernels.fits(scheme.bits, scheme.group_size, group[0].in_features):
-        q, scale, zero = (torch.cat([getattr(layer, name) for layer in group]) for name in ("q", "scale", "zero"))
-        if scheme.bits == 8:
-            return KernelMatrix(q, scale, scheme, "aie")
-        return KernelMatrix(*int_kernels.int4_layout(q, scale, zero), scheme, "aie")
-    if len(group) == 1:
+    ours = int_kernels.unavailable() is None and int_kernels.fits(scheme.bits, scheme.group_size, group[0].in_features)
+    if len(group) == 1 and not ours:
         return KernelMatrix(*group[0].kernel_weights(), scheme)
-    stacked = [torch.cat([getattr(layer, name) for layer in group]) for name in ("q", "scale", "zero")]
-    return KernelMatrix(*kernel_layout(*stacked, scheme), scheme)
+    q, scale, zero = (torch.cat([getattr(layer, name) for layer in group]) for name in ("q", "scale", "zero"))
+    if not ours:
+        return KernelMatrix(*kernel_layout(q, scale, zero, scheme), scheme)
+    if scheme.bits == 8:
+        return KernelMatrix(q, scale, scheme, "aie")
+    return KernelMatrix(*int_kernels.int4_layout(q, scale, zero), scheme, "aie")
 
 
 def quantized_matvec(x: torch.Tensor, weight: Any) -> torch.Tensor:
