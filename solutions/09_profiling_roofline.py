@@ -1526,13 +1526,14 @@ measure_rung("7. five layers per call", steps_per_second(rung7.tokens(ladder_pro
 # weights with a scale per row, or by int4 weights in its own tiled layout with a scale and a
 # zero per group — the layout `QuantizedLinear.kernel_weights` makes. Without AVX-512 they turn
 # each weight into a float before multiplying, which makes them compute-bound: on an AVX2-only
-# Zen 3 the int4 kernel read its weights at a third of the speed a bf16 matrix streams. So on
+# CPU they read their weights far more slowly than a bf16 matrix streams. So on
 # x86 CPUs the course brings its own (`aie_lessons/infra/int_kernels.cpp`, built with the C++
 # compiler at first use): it rounds the input row to int8 in blocks of 32 — one scale a block,
 # like llama.cpp's Q8_0 — and multiplies 32 weight bytes by 32 input bytes in one AVX2
-# instruction, the weights staying as stage 08 stored them. The rounding of the input costs
-# about 1 % of a product's largest output; the check after the ladder says whether the tokens
-# still agree with fp32. Elsewhere (an Arm Mac, no compiler) PyTorch's kernels take the call.
+# instruction, the weights staying as stage 08 stored them. Rounding the input moves each
+# product's outputs a little: each rung-8 cell prints by how much, on the first layer's real
+# inputs, and the check after the ladder says whether the tokens still agree with fp32.
+# Elsewhere (an Arm Mac, no compiler) PyTorch's kernels take the call.
 #
 # `QuantizedFastDecoder` takes a model quantized by stage 08's `quantize_model` — so the prefill
 # runs the same quantized layers — and stacks each group's integers and scales into one kernel
@@ -1666,9 +1667,26 @@ class QuantizedFastDecoder(FastDecoder):
 
 # %%
 # NBVAL_IGNORE_OUTPUT
+def input_rounding_cost(quantized: LlamaModel) -> str:
+    """How far the kernel's rounding of the input moves the first layer's q/k/v product, on the
+    ladder prompt's real inputs to it: the largest change, as a share of the largest output."""
+    layer = quantized.layers[0]
+    ids = torch.tensor([ladder_prompt])
+    with torch.no_grad():
+        x = layer.input_layernorm(quantized.embed_tokens(ids))[0].float()
+        matrix = kernel_matrix([layer.self_attn.q_proj])
+        exact = x @ layer.self_attn.q_proj.dequantized().float().T
+        moved = (quantized_matvec(x, matrix) - exact).abs().max() / exact.abs().max()
+    kernel = "the course's kernel (input rounded to int8 per 32)" if matrix.kernel == "aie" else \
+        "PyTorch's kernel (input rounded to bf16)"
+    return f"{kernel} moved the first q projection's outputs by at most {moved:.2%} of the largest"
+
+
 def quantized_rung(scheme: str) -> None:
     """Rung 8 with ``scheme``'s weights: compiled, compared with fp32, measured."""
-    rung8 = QuantizedFastDecoder(quantize_model(LlamaModel.from_pretrained(MODEL_DIR, dtype=torch.bfloat16), scheme))
+    quantized = quantize_model(LlamaModel.from_pretrained(MODEL_DIR, dtype=torch.bfloat16), scheme)
+    print(input_rounding_cost(quantized))
+    rung8 = QuantizedFastDecoder(quantized)
     name = f"8. {scheme} weights"
     start = time.perf_counter()
     rung8.warm_up()

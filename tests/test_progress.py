@@ -168,3 +168,22 @@ print(json.dumps(message))
 """)
     assert result is not None
     assert "stage 02 holds your committed code" in result and "2.3" in result and "aie reset 02" in result
+
+
+def test_reading_notebooks_skips_the_optional_iri_grammar():
+    """``aie_lessons.course`` keeps jsonschema from building the optional ``rfc3987_syntax`` IRI
+    grammar on import (2.4 s of every course tool's start on a Zen 3); nbformat still validates,
+    and still rejects a malformed notebook."""
+    import subprocess
+    import sys
+
+    probe = (
+        "import sys, aie_lessons.course.progress, nbformat  # the course first, as in every course tool\n"
+        "assert sys.modules['rfc3987_syntax'] is None, sys.modules['rfc3987_syntax']\n"
+        "nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell('1')])\n"
+        "nbformat.validate(nb)\n"
+        "nb.cells[0]['cell_type'] = 'poem'\n"
+        "try:\n    nbformat.validate(nb)\nexcept nbformat.ValidationError:\n    print('rejected')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "rejected", out.stderr[-2000:]
