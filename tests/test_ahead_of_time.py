@@ -96,14 +96,16 @@ def test_a_package_that_does_not_load_is_compiled_again(tmp_path, monkeypatch):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_compiled_ahead_the_step_gives_the_eager_logits(tiny_untied_dir, dtype, tmp_path):
+def test_compiled_ahead_the_step_gives_the_eager_logits(tiny_untied_dir, dtype):
     """Logits at every step against the same decoder run eagerly, with fp32 and bf16 weights; the
     greedy head (a package of its own) gives the eager tokens; a second compiler, as a later
-    process would, loads every package instead of compiling it."""
+    process would, loads every package instead of compiling it. The packages are the test run's
+    (``aot_folder()``), which the command-line tests of the same tiny model share: whichever
+    comes first compiles them (tests/test_cli.py compiles into empty folders of its own)."""
     model = LlamaModel.from_pretrained(tiny_untied_dir, dtype=dtype)  # bf16 weights, fp32 activations
     eager = FastDecoder(model, compile=False)
     expected = eager.forced_logits(IDS[:5], IDS[5:])
-    compiler = AheadOfTime(tmp_path)
+    compiler = AheadOfTime()
     decoder = FastDecoder(model, compile=compiler)
     assert (decoder.forced_logits(IDS[:5], IDS[5:]) - expected).abs().max().item() <= 1e-4
     # A one-token prompt: its first step (position 1) is outside the sizes export kept, so it
@@ -112,28 +114,29 @@ def test_compiled_ahead_the_step_gives_the_eager_logits(tiny_untied_dir, dtype, 
     assert (decoder.forced_logits(IDS[:1], IDS[1:6]) - short).abs().max().item() <= 1e-4
     greedy = SamplingParams(max_new_tokens=6, ignore_eos=True)
     assert list(decoder.tokens(IDS[:5], greedy)) == list(eager.tokens(IDS[:5], greedy))
-    assert compiler.compiled == 3  # the layers (both calls share one structure), the head twice
-    later = AheadOfTime(tmp_path)  # another prompt length: the position is a size, not part of the key
+    assert len(compiler.packages) == 3  # the layers (both calls share one structure), the head twice
+    later = AheadOfTime()  # another prompt length: the position is a size, not part of the key
     assert list(FastDecoder(model, compile=later).tokens(IDS[:3], greedy)) == list(eager.tokens(IDS[:3], greedy))
     assert later.compiled == 0 and len(later.packages) == 2
 
 
 @pytest.mark.slow
-def test_quantized_weights_compile_ahead_through_the_kernels(tiny_dir, tmp_path):
+def test_quantized_weights_compile_ahead_through_the_kernels(tiny_dir):
     """int4-g32 integers and their scales travel as inputs; the scheme is compiled in."""
     model = quantize_model(LlamaModel.from_pretrained(tiny_dir), "int4-g32")
     eager_decoder = QuantizedFastDecoder(model, compile=False)
     eager = eager_decoder.forced_logits(IDS[:5], IDS[5:])
-    decoder = QuantizedFastDecoder(model, compile=AheadOfTime(tmp_path))
+    decoder = QuantizedFastDecoder(model, compile=AheadOfTime())
     # The course's integer kernels run as an operator of their own inside the package
     compiled = decoder.forced_logits(IDS[:5], IDS[5:])
     assert (compiled - eager).abs().max().item() <= int8_input_tolerance(eager_decoder, eager)
 
 
 @pytest.mark.slow
-def test_the_engines_step_compiled_ahead_keeps_the_eager_engines_tokens(tiny_untied_dir, tmp_path):
+def test_the_engines_step_compiled_ahead_keeps_the_eager_engines_tokens(tiny_untied_dir):
     """The engine's batched step over the paged pool, compiled ahead for each bucket: the greedy
-    tokens of the eager engine, as requests finish and the batch moves between buckets."""
+    tokens of the eager engine, as requests finish and the batch moves between buckets. (The
+    bucket of one row is the command line's step for one prompt on this model: one package.)"""
     from aie_lessons.engine.compiled_runner import compiled_engine
     from aie_lessons.engine.paged_engine import paged_engine
     from aie_lessons.kv_cache import kv_cache_bytes
@@ -146,11 +149,11 @@ def test_the_engines_step_compiled_ahead_keeps_the_eager_engines_tokens(tiny_unt
     prompts = ["hello world", "the quick brown fox jumps over", "a", "over the lazy dog"]
     params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (14, 6, 9, 11)]
     expected = paged_engine(model, tokenizer, decode="gather", **settings).generate(prompts, params)
-    compiler = AheadOfTime(tmp_path)
+    compiler = AheadOfTime()
     engine = compiled_engine(model, tokenizer, compile=compiler, **settings)
     engine.runner.warm_up()
     assert engine.runner.buckets == (1, 2, 4) and len(engine.runner.calls) == 1
-    assert compiler.compiled == 6  # per bucket, the layers' call and the head
+    assert len(compiler.packages) == 6  # per bucket, the layers' call and the head
     assert [r.token_ids for r in engine.generate(prompts, params)] == [r.token_ids for r in expected]
 
 

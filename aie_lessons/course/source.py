@@ -19,9 +19,11 @@ nothing here knows which stage it is looking at.
 from __future__ import annotations
 
 import ast
+import copy
 import hashlib
 import re
 import textwrap
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -275,9 +277,21 @@ def _used_names(tree: ast.Module) -> tuple[set[str], set[str]]:
     return runtime, annotated - runtime
 
 
+_PARSING = threading.Lock()
+
+
+def parse(text: str) -> ast.Module:
+    """``ast.parse``, one thread at a time. CPython 3.11 (the course's Python) counts the depth
+    of the syntax tree it is turning into Python objects in state that all threads share, so
+    two threads parsing at once can fail with "SystemError: AST constructor recursion depth
+    mismatch" (python/cpython#106905): the tests grade two submissions at once, in threads."""
+    with _PARSING:
+        return ast.parse(text)
+
+
 def _insert_after_preamble(text: str, lines: list[str]) -> str:
     """Insert import lines after the module's docstring and its own leading imports."""
-    tree = ast.parse(text)
+    tree = parse(text)
     after = 0
     for index, node in enumerate(tree.body):
         is_doc = index == 0 and isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant)
@@ -291,7 +305,7 @@ def _insert_after_preamble(text: str, lines: list[str]) -> str:
 
 def defined_names(module_text: str) -> set[str]:
     """The names a module's text defines at top level."""
-    return _top_level_names(ast.parse(module_text))
+    return _top_level_names(parse(module_text))
 
 
 def _export_texts(cells, source_label: str) -> dict[str, str]:
@@ -374,7 +388,7 @@ def export_modules(
     trees = {}
     for module, text in texts.items():
         try:
-            trees[module] = ast.parse(text)
+            trees[module] = parse(text)
         except SyntaxError as exc:
             raise SourceError(f"{source_label}: exported module {module!r} does not parse: {exc}")
     provider = {**(earlier or {}), **_definers(trees, source_label)}
@@ -410,12 +424,28 @@ class Stage:
         return [e for c in self.notebook.cells if c.cell_type == "code" for e in exercises_in(c.source)]
 
 
+_PARSED: dict[Path, tuple[str, nbformat.NotebookNode]] = {}
+
+
+def _parsed(source: Path) -> nbformat.NotebookNode:
+    """The source's cells as jupytext parses them, remembered for as long as the file's text is
+    the same: one grading, ``aie status`` or sealed run reads every stage several times over, and
+    parsing (and validating) a stage takes a tenth of a second, reading it a few microseconds.
+    A copy each time, which its caller may change."""
+    text = source.read_text(encoding="utf-8")
+    cached = _PARSED.get(source)
+    if cached is None or cached[0] != text:
+        notebook = jupytext.reads(text, fmt="py:percent")
+        notebook.metadata.pop("jupytext", None)
+        cached = _PARSED[source] = (text, notebook)
+    return copy.deepcopy(cached[1])
+
+
 def load_stage(source: Path) -> Stage:
     name = source.stem
     if not re.fullmatch(r"\d\d_[a-z0-9_]+", name):
         raise SourceError(f"{source}: stage sources are named NN_name.py")
-    notebook = jupytext.read(source, fmt="py:percent")
-    notebook.metadata.pop("jupytext", None)
+    notebook = _parsed(source)
     taken: set[str] = set()
     for cell in notebook.cells:
         cell.id = cell_id(name[:2], cell, taken)
