@@ -1668,7 +1668,7 @@ class QuantizedFastDecoder(FastDecoder):
 # %%
 # NBVAL_IGNORE_OUTPUT
 def input_rounding_cost(quantized: LlamaModel) -> str:
-    """How far the kernel's rounding of the input moves the first layer's q/k/v product, on the
+    """How far the kernel's rounding of the input moves the first layer's q projection, on the
     ladder prompt's real inputs to it: the largest change, as a share of the largest output."""
     layer = quantized.layers[0]
     ids = torch.tensor([ladder_prompt])

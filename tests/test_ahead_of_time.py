@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from aie_lessons.fast_decode import FastDecoder, KernelMatrix, QuantizedFastDecoder
-from aie_lessons.infra.ahead_of_time import AheadOfTime, CompileFailed, leaves, rebuild, structure
+from aie_lessons.infra.ahead_of_time import AheadOfTime, CompileFailed, aot_folder, leaves, rebuild, structure
 from aie_lessons.model import LlamaModel
 from aie_lessons.quantize import SCHEMES, quantize_model
 from aie_lessons.sampling import SamplingParams
@@ -96,16 +96,17 @@ def test_a_package_that_does_not_load_is_compiled_again(tmp_path, monkeypatch):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_compiled_ahead_the_step_gives_the_eager_logits(tiny_untied_dir, dtype):
+def test_compiled_ahead_the_step_gives_the_eager_logits(tiny_untied_dir, dtype, tmp_path):
     """Logits at every step against the same decoder run eagerly, with fp32 and bf16 weights; the
     greedy head (a package of its own) gives the eager tokens; a second compiler, as a later
-    process would, loads every package instead of compiling it. The packages are the test run's
-    (``aot_folder()``), which the command-line tests of the same tiny model share: whichever
-    comes first compiles them (tests/test_cli.py compiles into empty folders of its own)."""
+    process would, loads every package instead of compiling it. bf16's packages are compiled into
+    an empty folder, so that every test run compiles; fp32's are the machine's (``aot_folder()``),
+    which the command-line runs of this tiny model share: whichever comes first compiles them."""
     model = LlamaModel.from_pretrained(tiny_untied_dir, dtype=dtype)  # bf16 weights, fp32 activations
     eager = FastDecoder(model, compile=False)
     expected = eager.forced_logits(IDS[:5], IDS[5:])
-    compiler = AheadOfTime()
+    folder = tmp_path if dtype == torch.bfloat16 else aot_folder()
+    compiler = AheadOfTime(folder)
     decoder = FastDecoder(model, compile=compiler)
     assert (decoder.forced_logits(IDS[:5], IDS[5:]) - expected).abs().max().item() <= 1e-4
     # A one-token prompt: its first step (position 1) is outside the sizes export kept, so it
@@ -115,28 +116,34 @@ def test_compiled_ahead_the_step_gives_the_eager_logits(tiny_untied_dir, dtype):
     greedy = SamplingParams(max_new_tokens=6, ignore_eos=True)
     assert list(decoder.tokens(IDS[:5], greedy)) == list(eager.tokens(IDS[:5], greedy))
     assert len(compiler.packages) == 3  # the layers (both calls share one structure), the head twice
-    later = AheadOfTime()  # another prompt length: the position is a size, not part of the key
+    if folder == tmp_path:
+        assert compiler.compiled == 3 and len(list(tmp_path.glob("*.pt2"))) == 3
+    later = AheadOfTime(folder)  # another prompt length: the position is a size, not part of the key
     assert list(FastDecoder(model, compile=later).tokens(IDS[:3], greedy)) == list(eager.tokens(IDS[:3], greedy))
     assert later.compiled == 0 and len(later.packages) == 2
 
 
 @pytest.mark.slow
-def test_quantized_weights_compile_ahead_through_the_kernels(tiny_dir):
-    """int4-g32 integers and their scales travel as inputs; the scheme is compiled in."""
+def test_quantized_weights_compile_ahead_through_the_kernels(tiny_dir, tmp_path):
+    """int4-g32 integers and their scales travel as inputs; the scheme is compiled in. Into an
+    empty folder: the integer kernels' operator inside a package is compiled in every test run."""
     model = quantize_model(LlamaModel.from_pretrained(tiny_dir), "int4-g32")
     eager_decoder = QuantizedFastDecoder(model, compile=False)
     eager = eager_decoder.forced_logits(IDS[:5], IDS[5:])
-    decoder = QuantizedFastDecoder(model, compile=AheadOfTime())
+    compiler = AheadOfTime(tmp_path)
+    decoder = QuantizedFastDecoder(model, compile=compiler)
     # The course's integer kernels run as an operator of their own inside the package
     compiled = decoder.forced_logits(IDS[:5], IDS[5:])
+    assert compiler.compiled == len(compiler.packages) > 0
     assert (compiled - eager).abs().max().item() <= int8_input_tolerance(eager_decoder, eager)
 
 
 @pytest.mark.slow
 def test_the_engines_step_compiled_ahead_keeps_the_eager_engines_tokens(tiny_untied_dir):
     """The engine's batched step over the paged pool, compiled ahead for each bucket: the greedy
-    tokens of the eager engine, as requests finish and the batch moves between buckets. (The
-    bucket of one row is the command line's step for one prompt on this model: one package.)"""
+    tokens of the eager engine, as requests finish and the batch moves between buckets. The
+    packages are the machine's (``aot_folder()``): the bucket of one row is also the command
+    line's step for one prompt on this model, compiled by whichever runs first."""
     from aie_lessons.engine.compiled_runner import compiled_engine
     from aie_lessons.engine.paged_engine import paged_engine
     from aie_lessons.kv_cache import kv_cache_bytes

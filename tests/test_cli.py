@@ -269,8 +269,8 @@ def test_without_a_cpp_compiler_the_compiled_loop_is_refused_and_the_default_say
 
 
 def test_quantized_weights_run_through_the_compiled_decoder(tiny_dir, tmp_path):
-    """int4-g32 through the integer kernels inside the compiled step (the course's on x86, PyTorch's
-    elsewhere): the packages are tests/test_ahead_of_time.py's for the same model, whichever runs first."""
+    """int4-g32 through the integer kernels (the course's on x86, PyTorch's elsewhere) inside the
+    compiled step."""
     import shutil
 
     model_dir = tmp_path / "tiny"

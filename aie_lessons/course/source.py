@@ -280,18 +280,19 @@ def _used_names(tree: ast.Module) -> tuple[set[str], set[str]]:
 _PARSING = threading.Lock()
 
 
-def parse(text: str) -> ast.Module:
+def _parse(text: str) -> ast.Module:
     """``ast.parse``, one thread at a time. CPython 3.11 (the course's Python) counts the depth
     of the syntax tree it is turning into Python objects in state that all threads share, so
     two threads parsing at once can fail with "SystemError: AST constructor recursion depth
-    mismatch" (python/cpython#106905): the tests grade two submissions at once, in threads."""
+    mismatch" (python/cpython#106905): the tests grade two submissions at once, in threads. The
+    lock covers the course's own parsing, the only parsing those threads do in-process."""
     with _PARSING:
         return ast.parse(text)
 
 
 def _insert_after_preamble(text: str, lines: list[str]) -> str:
     """Insert import lines after the module's docstring and its own leading imports."""
-    tree = parse(text)
+    tree = _parse(text)
     after = 0
     for index, node in enumerate(tree.body):
         is_doc = index == 0 and isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant)
@@ -305,7 +306,7 @@ def _insert_after_preamble(text: str, lines: list[str]) -> str:
 
 def defined_names(module_text: str) -> set[str]:
     """The names a module's text defines at top level."""
-    return _top_level_names(parse(module_text))
+    return _top_level_names(_parse(module_text))
 
 
 def _export_texts(cells, source_label: str) -> dict[str, str]:
@@ -388,7 +389,7 @@ def export_modules(
     trees = {}
     for module, text in texts.items():
         try:
-            trees[module] = parse(text)
+            trees[module] = _parse(text)
         except SyntaxError as exc:
             raise SourceError(f"{source_label}: exported module {module!r} does not parse: {exc}")
     provider = {**(earlier or {}), **_definers(trees, source_label)}
