@@ -1525,9 +1525,8 @@ measure_rung("7. five layers per call", steps_per_second(rung7.tokens(ladder_pro
 # The last rung reads stage 08's integers. PyTorch's CPU kernels multiply one bf16 row by int8
 # weights with a scale per row, or by int4 weights in its own tiled layout with a scale and a
 # zero per group — the layout `QuantizedLinear.kernel_weights` makes. Without AVX-512 they turn
-# each weight into a float before multiplying, which makes them compute-bound: on an AVX2-only
-# CPU they read their weights far more slowly than a bf16 matrix streams. So on
-# x86 CPUs the course brings its own (`aie_lessons/infra/int_kernels.cpp`, built with the C++
+# each weight into a float before multiplying, which makes them limited by that arithmetic
+# rather than by the bytes they read. So on x86 CPUs the course brings its own (`aie_lessons/infra/int_kernels.cpp`, built with the C++
 # compiler at first use): it rounds the input row to int8 in blocks of 32 — one scale a block,
 # like llama.cpp's Q8_0 — and multiplies 32 weight bytes by 32 input bytes in one AVX2
 # instruction, the weights staying as stage 08 stored them. Rounding the input moves each

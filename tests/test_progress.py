@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import nbformat
 import pytest
 
@@ -174,9 +177,6 @@ def test_reading_notebooks_skips_the_optional_iri_grammar():
     """``aie_lessons.course`` keeps jsonschema from building the optional ``rfc3987_syntax`` IRI
     grammar on import (2.4 s of every course tool's start on a Zen 3); nbformat still validates,
     and still rejects a malformed notebook."""
-    import subprocess
-    import sys
-
     probe = (
         "import sys, aie_lessons.course.progress, nbformat  # the course first, as in every course tool\n"
         "assert sys.modules['rfc3987_syntax'] is None, sys.modules['rfc3987_syntax']\n"
