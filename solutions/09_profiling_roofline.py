@@ -1797,7 +1797,7 @@ import torch.nn.functional as F
 
 from aie_lessons.engine.block_manager import PagedAllocator
 from aie_lessons.engine.engine import Engine
-from aie_lessons.engine.paged_batch import PagedBatch
+from aie_lessons.engine.paged_batch import PagedBatch, chunk_slots, column_slots
 from aie_lessons.engine.paged_cache import blocks_for_budget, slot_pool_bytes
 from aie_lessons.engine.paged_runner import PagedModelRunner
 from aie_lessons.engine.preemption import PagedScheduler
@@ -1812,6 +1812,7 @@ from aie_lessons.quantized_checkpoint import layer_schemes
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from aie_lessons.engine.scheduler import Schedule
     from aie_lessons.tokenizer import Tokenizer
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -1826,10 +1827,14 @@ def bucket_for(rows: int, buckets: tuple[int, ...]) -> int:
                      f"run at most {max(buckets)} requests at once (max_seqs)")
 
 
-@dataclass
+@dataclass(frozen=True)
 class DecodeRows:
     """A step's one-token chunks, row i the i-th: a request's new token, or a one-token prompt
-    chunk (n rows; T, the columns' width, the longest row's positions)."""
+    chunk (n rows; T, the columns' width, the longest row's positions).
+
+    Frozen: a step hands the same rows to each of its compiled calls, and a compiler that may
+    remember what an argument flattens to (``AheadOfTime``) can do so only for one that cannot
+    change under it."""
 
     ids: torch.Tensor  # (n,) token ids
     positions: torch.Tensor  # (n,) each token's position (RoPE)
@@ -1842,6 +1847,15 @@ def decode_rows(batch: PagedBatch) -> DecodeRows:
     """The rows of a decode-only ``PagedBatch`` prepared for gathering (``decode="gather"``)."""
     return DecodeRows(batch.input_ids[0], batch.positions[0], batch.slots, batch.decode_slots,
                       batch.decode_mask[:, 0, 0])
+
+
+@dataclass(frozen=True)
+class DecodeStep:
+    """A decode-only step as the compiled runner runs it: its rows, padded to their bucket, and
+    the rows whose logits the step returns (those that sample), (K,) in schedule order."""
+
+    rows: DecodeRows
+    logits_at: torch.Tensor
 
 
 # %% [markdown]
@@ -2012,18 +2026,52 @@ class CompiledPagedRunner(PagedModelRunner):
         self.calls = [Call(layers[i:i + layers_per_call]) for i in range(0, len(layers), layers_per_call)]
         self.head, self.final_norm = matrices[-1], model.norm.weight.detach().float()
         self.embed = model.embed_tokens.weight.detach()
+        # RoPE's tables for every position, read by row: computing a step's few rows costs
+        # more than the lookup (some 60 µs against 5 on a CPU).
+        everywhere = torch.arange(model.config.max_position_embeddings, device=self.device)[None]
+        self.cos, self.sin = (t[0] for t in rope_cos_sin(everywhere, self.config.head_dim, self.config.rope_theta))
         # dynamic=False: each bucket is its own specialised version; only the axes marked
         # dynamic (positions, pool slots) stay symbols.
         compiler = step_compiler(compile, dynamic=False)
         self.rows_layers, self.rows_head = compiler(rows_layers), compiler(decode_head)
 
-    def run(self, batch: PagedBatch) -> torch.Tensor:
-        """Logits (K, vocab), fp32: compiled when every chunk is one token, eager otherwise."""
-        rows = len(batch.decode_rows)
-        if batch.chunks or not rows or rows > self.buckets[-1]:
-            return super().run(batch)
+    def prepare(self, schedule: Schedule) -> PagedBatch | DecodeStep:
+        """A decode-only step (every chunk one token, no more rows than the largest bucket)
+        straight to its padded rows; any other step packed by stage 07, which also refuses a
+        block table too short for its chunk.
+
+        Why not from stage 07's ``PagedBatch``: it builds some fifteen small tensors, for every
+        kind of attention call, of which a decode step reads five; at batch 1, where a step of
+        the int4 model takes about 10 ms, they cost a few percent of it."""
+        chunks, block_size = schedule.chunks, self.cache.block_size
+        if (not chunks or len(chunks) > self.buckets[-1]
+                or any(c.length != 1 or len(c.kv) * block_size <= c.start for c in chunks)):
+            return super().prepare(schedule)
+
+        def tensor(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.long, device=self.device)
+
+        positions = tensor([c.start for c in chunks])
+        width = max(c.start for c in chunks) + 1
+        rows = DecodeRows(tensor([c.request.token_ids(c.start, c.start + 1)[0] for c in chunks]), positions,
+                          tensor([chunk_slots(c, block_size)[0] for c in chunks]),
+                          column_slots([c.kv for c in chunks], width, block_size, self.device),
+                          torch.arange(width, device=self.device) <= positions[:, None])
+        return DecodeStep(pad_rows(rows, bucket_for(len(chunks), self.buckets), self.scratch_slot),
+                          tensor([i for i, c in enumerate(chunks) if c.samples]))
+
+    def run(self, batch: PagedBatch | DecodeStep) -> torch.Tensor:
+        """Logits (K, vocab), fp32: compiled for a decode-only step (``prepare``'s, or a
+        ``PagedBatch`` of one-token chunks, which a comparison with the eager runner passes to
+        both), eager otherwise."""
+        if isinstance(batch, PagedBatch):
+            rows = len(batch.decode_rows)
+            if batch.chunks or not rows or rows > self.buckets[-1]:
+                return super().run(batch)
+            batch = DecodeStep(pad_rows(decode_rows(batch), bucket_for(rows, self.buckets), self.scratch_slot),
+                               batch.logits_at)
         with torch.no_grad():
-            logits = self.decode_step(pad_rows(decode_rows(batch), bucket_for(rows, self.buckets), self.scratch_slot))
+            logits = self.decode_step(batch.rows)
         if logits.is_cuda:
             torch.cuda.synchronize(logits.device)
         return logits[batch.logits_at]
@@ -2035,8 +2083,7 @@ class CompiledPagedRunner(PagedModelRunner):
                            visible=F.pad(rows.visible, (0, 1), value=False))
         torch._dynamo.mark_dynamic(rows.columns, 1)
         torch._dynamo.mark_dynamic(rows.visible, 1)
-        cos, sin = (t[0, :, None] for t in rope_cos_sin(rows.positions[None], self.config.head_dim,
-                                                           self.config.rope_theta))  # (B, 1, D)
+        cos, sin = self.cos[rows.positions, None], self.sin[rows.positions, None]  # (B, 1, D)
         x = self.embed[rows.ids].float()
         matvec = self.matvec(len(rows.ids))
         for layers in self.calls:
@@ -2263,10 +2310,11 @@ def compared_steps(engine, running: int) -> Agreement:
         return logits
 
     runner.run = both
+    runner.prepare = lambda schedule: PagedModelRunner.prepare(runner, schedule)  # stage 07's batch, which both run
     try:
         decode_rate(engine, running)
     finally:
-        del runner.run
+        del runner.run, runner.prepare
     return agreement(torch.cat(eager), torch.cat(compiled))
 
 

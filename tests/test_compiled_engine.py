@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from aie_lessons.engine.compiled_runner import (CompiledPagedRunner, DecodeRows, bucket_for, compiled_engine,
-                                                pad_rows)
+from aie_lessons.engine.compiled_runner import (CompiledPagedRunner, DecodeRows, DecodeStep, bucket_for,
+                                                compiled_engine, decode_rows, pad_rows)
 from aie_lessons.engine.paged_engine import paged_engine
 from aie_lessons.engine.paged_runner import PagedModelRunner
 from aie_lessons.kv_cache import kv_cache_bytes
@@ -73,6 +73,38 @@ def test_the_compiled_engine_keeps_the_eager_engines_tokens_and_cache(tiny_untie
         torch.testing.assert_close(mine[:, :blocks], theirs, atol=1e-5, rtol=1e-5)
 
 
+def test_a_decode_step_is_prepared_as_stage_07_prepares_it(tiny_untied_dir):
+    """The compiled runner packs decode-only steps itself; what it packs must be what the compiled
+    step would get from stage 07's PagedBatch: the same rows, padded alike, the same visible
+    columns, the same sampled rows.
+    A budget of 4 tokens for 4 requests leaves one-token prompt chunks beside decode rows: steps
+    whose rows do not all sample."""
+    _, compiled = engines(tiny_untied_dir, token_budget=4)
+    runner, prepared = compiled.runner, []
+    own = runner.prepare
+
+    def both(schedule):
+        mine, stage07 = own(schedule), PagedModelRunner.prepare(runner, schedule)
+        if isinstance(mine, DecodeStep):
+            rows = len(schedule.chunks)
+            want = pad_rows(decode_rows(stage07), bucket_for(rows, runner.buckets), runner.scratch_slot)
+            for name in ("ids", "positions", "slots", "visible"):
+                assert torch.equal(getattr(mine.rows, name), getattr(want, name)), name
+            # The columns a row sees are its own positions' slots; the masked ones any slot of the pool.
+            assert torch.equal(mine.rows.columns[want.visible], want.columns[want.visible])
+            assert 0 <= mine.rows.columns.min() and mine.rows.columns.max() <= runner.scratch_slot
+            assert torch.equal(mine.logits_at, stage07.logits_at)
+            prepared.append((rows, len(mine.logits_at)))
+        else:
+            assert stage07.chunks  # only steps with a longer prompt chunk go to stage 07
+        return mine
+
+    runner.prepare = both
+    compiled.generate(PROMPTS, PARAMS)
+    assert {rows for rows, _ in prepared} >= {4, 2, 1}  # the batch shrinks; 3 would pad to 4
+    assert any(sampled < rows for rows, sampled in prepared)
+
+
 def test_padding_rows_write_only_the_scratch_block(tiny_untied_dir):
     _, compiled = engines(tiny_untied_dir)
     runner = compiled.runner
@@ -99,6 +131,7 @@ def test_bf16_weights_agree_with_the_eager_bf16_engine(tiny_untied_dir):
         return logits
 
     runner.run = both
+    runner.prepare = lambda schedule: PagedModelRunner.prepare(runner, schedule)  # stage 07's batch: both runners run it
     compiled.generate(PROMPTS, [SamplingParams(max_new_tokens=8, ignore_eos=True)] * len(PROMPTS))
     result = agreement(torch.cat(eager), torch.cat(mine))
     assert result.positions >= 20

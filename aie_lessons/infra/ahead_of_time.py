@@ -51,7 +51,7 @@ import traceback
 import warnings
 import weakref
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 from torch.utils import _pytree as pytree
@@ -170,6 +170,17 @@ class _Flat(torch.nn.Module):
         return self.function(*args)
 
 
+def _remembered(value: Any) -> bool:
+    """Whether ``AheadOfTimeFunction`` keeps what ``value`` flattens to: a list or a frozen
+    dataclass instance that can be weakly referenced (see there)."""
+    if not hasattr(value, "__weakref__"):
+        return False
+    if isinstance(value, list):
+        return True
+    params = getattr(type(value), "__dataclass_params__", None)
+    return params is not None and params.frozen
+
+
 def _is_size(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -262,12 +273,27 @@ class _Package:
     out_spec: Any
     ranges: list[tuple[int, int, int, int]]
 
+    def __post_init__(self) -> None:
+        self.rebuild = _rebuilder(self.out_spec)
+
     def takes(self, inputs: list[torch.Tensor]) -> bool:
         """Whether every marked size of ``inputs`` lies in the range the package was exported for."""
         return all(low <= inputs[i].shape[dim] <= high for i, dim, low, high in self.ranges)
 
     def __call__(self, inputs: list[torch.Tensor]) -> Any:
-        return pytree.tree_unflatten(self.runner.boxed_run(inputs), self.out_spec)
+        return self.rebuild(iter(self.runner.boxed_run(inputs)))
+
+
+def _rebuilder(spec: pytree.TreeSpec) -> Callable[[Iterator[Any]], Any]:
+    """A function that builds ``spec``'s value from an iterator over its leaves. pytree's
+    ``tree_unflatten`` walks the spec at every call (5 µs for a step's outputs, seven calls a
+    step); this walks it once. Tuples and lists are built here, anything else by pytree."""
+    if spec.is_leaf():
+        return next
+    if spec.type in (tuple, list):
+        kind, parts = spec.type, [_rebuilder(child) for child in spec.children()]
+        return lambda leaves: kind([part(leaves) for part in parts])
+    return lambda leaves: pytree.tree_unflatten([next(leaves) for _ in range(spec.num_leaves)], spec)
 
 
 class AheadOfTime:
@@ -329,20 +355,22 @@ class AheadOfTimeFunction:
     """``function`` compiled ahead of time: call it with ``function``'s arguments.
 
     Flattening a step's arguments (five layers' weights and caches: some 40 tensors) costs tens
-    of microseconds, paid at every call of every step; so what a list argument that can be
-    weakly referenced (stage 09's ``Call``: a step's layers, built once per request or runner)
-    flattens to is remembered for as long as that list lives, and forgotten with it — never
-    keeping a finished request's cache alive. Other arguments are flattened at every call.
+    of microseconds, paid at every call of every step; so what an argument flattens to is
+    remembered, for as long as it lives and forgotten with it (never keeping a finished
+    request's cache alive), where it can be weakly referenced and is a list (stage 09's
+    ``Call``: a step's layers, built once per request or runner) or a frozen dataclass (the
+    engine's ``DecodeRows``, one per step, handed to each of the step's seven calls). Other
+    arguments are flattened at every call.
     """
 
     def __init__(self, compiler: AheadOfTime, function: Callable):
         self.compiler, self.function = compiler, function
         self.memo: dict[int, tuple[weakref.ref, list[torch.Tensor], str]] = {}
-        self.by_structure: dict[str, _Package] = {}
+        self.by_structure: dict[tuple[Any, ...], _Package] = {}
 
     def _flat(self, value: Any) -> tuple[list[torch.Tensor], str]:
-        """The tensors and structure of one argument, remembered for a list that can be weakly referenced."""
-        if not isinstance(value, list) or not hasattr(value, "__weakref__"):
+        """The tensors and structure of one argument, remembered where the class says so."""
+        if not _remembered(value):
             return leaves(value), structure(value)
         entry = self.memo.get(id(value))
         if entry is None or entry[0]() is not value:
@@ -353,17 +381,21 @@ class AheadOfTimeFunction:
         return entry[1], entry[2]
 
     def __call__(self, *args: Any) -> Any:
-        inputs, shape = [], []
+        inputs: list[torch.Tensor] = []
+        parts: list[Any] = []
         for value in args:
             if _is_size(value):
-                shape.append("int")
+                parts.append("int")
+            elif isinstance(value, torch.Tensor) and not getattr(value, "_dynamo_dynamic_indices", None):
+                inputs.append(value)  # structure()'s string, a tenth of the time: looked up at every call
+                parts.append((value.dtype, value.shape, value.device))
             else:
                 tensors, text = self._flat(value)
                 inputs += tensors
-                shape.append(text)
+                parts.append(text)
         sizes = [value for value in args if _is_size(value)]
         inputs += [torch.empty(n, 0, device=inputs[0].device if inputs else None) for n in sizes]
-        key = "|".join(shape)
+        key = tuple(parts)
         package = self.by_structure.get(key)
         if package is None:
             small = any(t.shape[d] < 2 for t in inputs[:len(inputs) - len(sizes)] for d in dynamic_dims(t))
