@@ -75,8 +75,8 @@ def test_the_compiled_engine_keeps_the_eager_engines_tokens_and_cache(tiny_untie
 
 def test_a_decode_step_is_prepared_as_stage_07_prepares_it(tiny_untied_dir):
     """The compiled runner packs decode-only steps itself; what it packs must be what the compiled
-    step would get from stage 07's PagedBatch: the same rows, padded alike, the same visible
-    columns, the same sampled rows.
+    step would get from stage 07's PagedBatch: the same rows, padded alike, the same columns
+    visible, the same sampled rows.
     A budget of 4 tokens for 4 requests leaves one-token prompt chunks beside decode rows: steps
     whose rows do not all sample."""
     _, compiled = engines(tiny_untied_dir, token_budget=4)
@@ -88,11 +88,15 @@ def test_a_decode_step_is_prepared_as_stage_07_prepares_it(tiny_untied_dir):
         if isinstance(mine, DecodeStep):
             rows = len(schedule.chunks)
             want = pad_rows(decode_rows(stage07), bucket_for(rows, runner.buckets), runner.scratch_slot)
-            for name in ("ids", "positions", "slots", "visible"):
+            for name in ("ids", "positions", "slots"):
                 assert torch.equal(getattr(mine.rows, name), getattr(want, name)), name
-            # The columns a row sees are its own positions' slots; the masked ones any slot of the pool.
-            assert torch.equal(mine.rows.columns[want.visible], want.columns[want.visible])
-            assert 0 <= mine.rows.columns.min() and mine.rows.columns.max() <= runner.scratch_slot
+            # A row sees its own positions' slots, in order, and nothing past them (any width will
+            # do); the columns it does not see are slots of the pool all the same.
+            width = want.visible.shape[1]
+            assert mine.rows.visible.shape[1] >= width and not mine.rows.visible[:, width:].any()
+            assert torch.equal(mine.rows.visible[:, :width], want.visible)
+            assert torch.equal(mine.rows.columns[mine.rows.visible], want.columns[want.visible])
+            assert 0 <= mine.rows.columns.min() and mine.rows.columns.max() < runner.scratch_slot + BLOCK
             assert torch.equal(mine.logits_at, stage07.logits_at)
             prepared.append((rows, len(mine.logits_at)))
         else:

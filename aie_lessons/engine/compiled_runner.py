@@ -12,9 +12,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from aie_lessons.engine.block_manager import PagedAllocator
+from aie_lessons.engine.block_manager import PagedAllocator, blocks_for
 from aie_lessons.engine.engine import Engine
-from aie_lessons.engine.paged_batch import PagedBatch, chunk_slots, column_slots
+from aie_lessons.engine.paged_batch import PagedBatch, chunk_slots
 from aie_lessons.engine.paged_cache import blocks_for_budget, slot_pool_bytes
 from aie_lessons.engine.paged_runner import PagedModelRunner
 from aie_lessons.engine.preemption import PagedScheduler
@@ -168,6 +168,9 @@ class CompiledPagedRunner(PagedModelRunner):
         super().__init__(model, num_blocks + 1, block_size, attention, kv_dtype, prefix_caching, decode="gather")
         self.allocator = PagedAllocator(num_blocks, block_size, prefix_caching)
         self.scratch_slot = num_blocks * block_size
+        # Slot s of the pool is number s: block b's slots are row b of its (blocks, block_size)
+        # view, and its first T numbers are the columns 0 ... T - 1 (prepare reads it both ways).
+        self.slot_numbers = torch.arange((num_blocks + 1) * block_size, device=self.device)
         self.buckets = tuple(sorted(set(buckets)))
         self.quantized = bool(layer_schemes(model))
         if self.quantized:
@@ -198,21 +201,24 @@ class CompiledPagedRunner(PagedModelRunner):
 
         Why not from stage 07's ``PagedBatch``: it builds some fifteen small tensors, for every
         kind of attention call, of which a decode step reads five; at batch 1, where a step of
-        the int4 model takes about 10 ms, they cost a few percent of it."""
-        chunks, block_size = schedule.chunks, self.cache.block_size
+        the int4 model takes about 10 ms, they cost a few percent of it. Here the columns are
+        whole blocks (T a multiple of the block size, the positions past a row's own masked),
+        looked up block by block in ``slot_numbers``."""
+        chunks, size = schedule.chunks, self.cache.block_size
         if (not chunks or len(chunks) > self.buckets[-1]
-                or any(c.length != 1 or len(c.kv) * block_size <= c.start for c in chunks)):
+                or any(c.length != 1 or len(c.kv) * size <= c.start for c in chunks)):
             return super().prepare(schedule)
 
-        def tensor(values: list[int]) -> torch.Tensor:
+        def tensor(values: list) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.long, device=self.device)
 
+        blocks, scratch = blocks_for(max(c.start for c in chunks) + 1, size), self.scratch_slot // size
+        tables = tensor([c.kv[:blocks] + [scratch] * (blocks - len(c.kv[:blocks])) for c in chunks])
         positions = tensor([c.start for c in chunks])
-        width = max(c.start for c in chunks) + 1
         rows = DecodeRows(tensor([c.request.token_ids(c.start, c.start + 1)[0] for c in chunks]), positions,
-                          tensor([chunk_slots(c, block_size)[0] for c in chunks]),
-                          column_slots([c.kv for c in chunks], width, block_size, self.device),
-                          torch.arange(width, device=self.device) <= positions[:, None])
+                          tensor([chunk_slots(c, size)[0] for c in chunks]),
+                          self.slot_numbers.view(-1, size)[tables].view(len(chunks), -1),
+                          self.slot_numbers[:blocks * size] <= positions[:, None])
         return DecodeStep(pad_rows(rows, bucket_for(len(chunks), self.buckets), self.scratch_slot),
                           tensor([i for i, c in enumerate(chunks) if c.samples]))
 
