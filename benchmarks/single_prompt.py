@@ -73,6 +73,9 @@ def side_by_side(decoder: FastDecoder, engine: Engine, prompt: list[int],
             start = time.perf_counter()
             steps[name]()
             seconds[name].append(time.perf_counter() - start)
+        if len(request.output_ids) != i + 1:  # the prompt did not fit one step: steps and tokens out of line
+            raise SystemExit(f"the engine's step {i + 1} made {len(request.output_ids)} tokens, not {i + 1}. Fix: "
+                             "a shorter prompt, or a larger token budget")
     while engine.has_work():  # nothing is left to compute; the request's end may be left to report
         engine.step()
     decoder_rate, engine_rate = (1 / statistics.median(seconds[k][2:]) for k in ("decoder", "engine"))
@@ -85,6 +88,8 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=96)
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
+    if args.tokens < 4 or args.rounds < 1:
+        parser.error("--tokens must be at least 4 (the first two steps are not timed), --rounds at least 1")
     tokenizer = Tokenizer.from_pretrained(default_model_dir())
     prompt = tokenizer.encode_chat(PROMPT)
     params = SamplingParams(max_new_tokens=args.tokens, ignore_eos=True)

@@ -1827,14 +1827,14 @@ def bucket_for(rows: int, buckets: tuple[int, ...]) -> int:
                      f"run at most {max(buckets)} requests at once (max_seqs)")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class DecodeRows:
     """A step's one-token chunks, row i the i-th: a request's new token, or a one-token prompt
-    chunk (n rows; T, the columns' width, the longest row's positions).
+    chunk (n rows; T, the columns' width, at least the longest row's positions).
 
-    Frozen: a step hands the same rows to each of its compiled calls, and a compiler that may
-    remember what an argument flattens to (``AheadOfTime``) can do so only for one that cannot
-    change under it."""
+    Frozen: a step hands the same rows to each of its compiled calls, and a compiler may
+    remember what an argument flattens to (``AheadOfTime`` does) only if its fields cannot be
+    replaced between the calls."""
 
     ids: torch.Tensor  # (n,) token ids
     positions: torch.Tensor  # (n,) each token's position (RoPE)
@@ -1843,13 +1843,7 @@ class DecodeRows:
     visible: torch.Tensor  # (n, T) bool: which of a row's columns are its own positions
 
 
-def decode_rows(batch: PagedBatch) -> DecodeRows:
-    """The rows of a decode-only ``PagedBatch`` prepared for gathering (``decode="gather"``)."""
-    return DecodeRows(batch.input_ids[0], batch.positions[0], batch.slots, batch.decode_slots,
-                      batch.decode_mask[:, 0, 0])
-
-
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class DecodeStep:
     """A decode-only step as the compiled runner runs it: its rows, padded to their bucket, and
     the rows whose logits the step returns (those that sample), (K,) in schedule order."""
@@ -1968,7 +1962,7 @@ def rows_layers(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rows: Dec
 # through the compiled functions.
 #
 # Two details decide whether a bucket compiles once or again and again. The number of cached
-# positions, T, grows every step, so it is marked as a symbol (`mark_dynamic`), and so is the
+# positions, T, grows as the requests do, so it is marked as a symbol (`mark_dynamic`), and so is the
 # number of slots in the pool, which differs from one KV budget to the next. And the compiled
 # code is run under `torch.no_grad()`, never under `torch.inference_mode()` as the eager model
 # is: tensors made in inference mode are a different kind of input to the compiler, so a step
@@ -2014,9 +2008,8 @@ class CompiledPagedRunner(PagedModelRunner):
         super().__init__(model, num_blocks + 1, block_size, attention, kv_dtype, prefix_caching, decode="gather")
         self.allocator = PagedAllocator(num_blocks, block_size, prefix_caching)
         self.scratch_slot = num_blocks * block_size
-        # Slot s of the pool is number s: block b's slots are row b of its (blocks, block_size)
-        # view, and its first T numbers are the columns 0 ... T - 1 (prepare reads it both ways).
-        self.slot_numbers = torch.arange((num_blocks + 1) * block_size, device=self.device)
+        # Row b: the slots of block b, scratch block included (prepare looks a step's tables up in it).
+        self.block_slots = torch.arange((num_blocks + 1) * block_size, device=self.device).view(-1, block_size)
         self.buckets = tuple(sorted(set(buckets)))
         self.quantized = bool(layer_schemes(model))
         if self.quantized:
@@ -2031,9 +2024,11 @@ class CompiledPagedRunner(PagedModelRunner):
         self.calls = [Call(layers[i:i + layers_per_call]) for i in range(0, len(layers), layers_per_call)]
         self.head, self.final_norm = matrices[-1], model.norm.weight.detach().float()
         self.embed = model.embed_tokens.weight.detach()
-        # RoPE's tables for every position, read by row: computing a step's few rows costs
-        # more than the lookup (some 60 µs against 5 on a CPU).
-        everywhere = torch.arange(model.config.max_position_embeddings, device=self.device)[None]
+        # RoPE's tables, read by row: computing a step's few rows costs more than the lookup
+        # (some 60 µs against 10 on a CPU). Only the positions the pool can hold: a long-context
+        # model's own limit would make tables of gigabytes.
+        positions = min(model.config.max_position_embeddings, num_blocks * block_size)
+        everywhere = torch.arange(positions, device=self.device)[None]
         self.cos, self.sin = (t[0] for t in rope_cos_sin(everywhere, self.config.head_dim, self.config.rope_theta))
         # dynamic=False: each bucket is its own specialised version; only the axes marked
         # dynamic (positions, pool slots) stay symbols.
@@ -2048,8 +2043,10 @@ class CompiledPagedRunner(PagedModelRunner):
         Why not from stage 07's ``PagedBatch``: it builds some fifteen small tensors, for every
         kind of attention call, of which a decode step reads five; at batch 1, where a step of
         the int4 model takes about 10 ms, they cost a few percent of it. Here the columns are
-        whole blocks (T a multiple of the block size, the positions past a row's own masked),
-        looked up block by block in ``slot_numbers``."""
+        whole blocks, looked up in ``block_slots``: T is a multiple of the block size, and the
+        columns past a row's own positions are masked — as in stage 07, a table shorter than the
+        step's longest is padded with block 0, which holds finite numbers like every block a
+        request has written."""
         chunks, size = schedule.chunks, self.cache.block_size
         if (not chunks or len(chunks) > self.buckets[-1]
                 or any(c.length != 1 or len(c.kv) * size <= c.start for c in chunks)):
@@ -2058,26 +2055,20 @@ class CompiledPagedRunner(PagedModelRunner):
         def tensor(values: list) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.long, device=self.device)
 
-        blocks, scratch = blocks_for(max(c.start for c in chunks) + 1, size), self.scratch_slot // size
-        tables = tensor([c.kv[:blocks] + [scratch] * (blocks - len(c.kv[:blocks])) for c in chunks])
+        blocks = blocks_for(max(c.start for c in chunks) + 1, size)
+        tables = tensor([c.kv[:blocks] + [0] * (blocks - len(c.kv[:blocks])) for c in chunks])
         positions = tensor([c.start for c in chunks])
         rows = DecodeRows(tensor([c.request.token_ids(c.start, c.start + 1)[0] for c in chunks]), positions,
                           tensor([chunk_slots(c, size)[0] for c in chunks]),
-                          self.slot_numbers.view(-1, size)[tables].view(len(chunks), -1),
-                          self.slot_numbers[:blocks * size] <= positions[:, None])
+                          self.block_slots[tables].view(len(chunks), blocks * size),
+                          torch.arange(blocks * size, device=self.device) <= positions[:, None])
         return DecodeStep(pad_rows(rows, bucket_for(len(chunks), self.buckets), self.scratch_slot),
                           tensor([i for i, c in enumerate(chunks) if c.samples]))
 
     def run(self, batch: PagedBatch | DecodeStep) -> torch.Tensor:
-        """Logits (K, vocab), fp32: compiled for a decode-only step (``prepare``'s, or a
-        ``PagedBatch`` of one-token chunks, which a comparison with the eager runner passes to
-        both), eager otherwise."""
-        if isinstance(batch, PagedBatch):
-            rows = len(batch.decode_rows)
-            if batch.chunks or not rows or rows > self.buckets[-1]:
-                return super().run(batch)
-            batch = DecodeStep(pad_rows(decode_rows(batch), bucket_for(rows, self.buckets), self.scratch_slot),
-                               batch.logits_at)
+        """Logits (K, vocab), fp32: compiled for a ``DecodeStep``, eager for any other step."""
+        if not isinstance(batch, DecodeStep):
+            return super().run(batch)
         with torch.no_grad():
             logits = self.decode_step(batch.rows)
         if logits.is_cuda:
@@ -2308,21 +2299,24 @@ for running in ENGINE_ROWS:
 # NBVAL_IGNORE_OUTPUT
 def compared_steps(engine, running: int) -> Agreement:
     """``agreement`` of the eager and the compiled logits of every decode step of ``running`` requests."""
-    runner, eager, compiled = engine.runner, [], []
+    runner, eager, compiled, schedules = engine.runner, [], [], []
+
+    def keep(schedule):
+        schedules.append(schedule)
+        return CompiledPagedRunner.prepare(runner, schedule)
 
     def both(batch):
         logits = CompiledPagedRunner.run(runner, batch)
-        if not batch.chunks:  # the eager step after the compiled one: the same cache, rewritten alike
-            eager.append(PagedModelRunner.run(runner, batch))
+        if isinstance(batch, DecodeStep):  # then the eager step, on stage 07's batch: the cache rewritten alike
+            eager.append(PagedModelRunner.run(runner, PagedModelRunner.prepare(runner, schedules[-1])))
             compiled.append(logits)
         return logits
 
-    runner.run = both
-    runner.prepare = lambda schedule: PagedModelRunner.prepare(runner, schedule)  # stage 07's batch, which both run
+    runner.prepare, runner.run = keep, both
     try:
         decode_rate(engine, running)
     finally:
-        del runner.run, runner.prepare
+        del runner.prepare, runner.run
     return agreement(torch.cat(eager), torch.cat(compiled))
 
 

@@ -63,6 +63,68 @@ def test_the_step_remembers_a_call_for_as_long_as_it_lives():
     assert id(plain) not in step.memo
 
 
+def test_frozen_rows_are_remembered_and_a_plain_tensor_is_keyed_by_a_tuple():
+    """A frozen dataclass (the engine's ``DecodeRows``, one per step) is remembered like a
+    ``Call`` and forgotten with it; one whose fields can be replaced is flattened at every call.
+    Packages are looked up by a key per call: a plain tensor's shape is part of it, a size marked
+    dynamic is not; the outputs come back in the function's structure, and a package that returns
+    another number of outputs than its function is refused."""
+    import dataclasses
+    import gc
+    from collections import namedtuple
+
+    from torch.utils import _pytree as pytree
+
+    from aie_lessons.engine.compiled_runner import DecodeRows
+    from aie_lessons.infra.ahead_of_time import _Package, _rebuilder
+
+    @dataclasses.dataclass
+    class Replaceable:
+        x: torch.Tensor
+
+    step = AheadOfTime()(lambda x, rows: x)
+    t = torch.zeros(2)
+    rows = DecodeRows(t, t, t, t[None], t[None].bool())
+    first = step._flat(rows)[0]
+    assert step._flat(rows)[0] is first and list(step.memo) == [id(rows)]
+    del rows
+    gc.collect()
+    assert not step.memo
+    step._flat(Replaceable(t))
+    assert not step.memo
+
+    class Echo:  # a loaded package that returns its inputs
+        def boxed_run(self, inputs):
+            return list(inputs)
+
+    packaged = []
+
+    def package(function, args, inputs):
+        packaged.append(tuple(inputs[0].shape))
+        return _Package(Echo(), pytree.tree_structure((inputs[0], [inputs[1]])), [])
+
+    step = AheadOfTime()(lambda x, rows: x)
+    step.compiler.package = package
+    x = torch.ones(3, 8)
+    out = step(x, Replaceable(t))
+    assert out[0] is x and out[1][0] is t
+    step(torch.ones(3, 8), Replaceable(t))
+    step(torch.ones(4, 8), Replaceable(t))
+    for width in (8, 9):
+        marked = torch.ones(3, width)
+        torch._dynamo.mark_dynamic(marked, 1)
+        step(marked, Replaceable(t))
+    assert packaged == [(3, 8), (4, 8), (3, 8)]
+
+    Pair = namedtuple("Pair", "a b")
+    value = (torch.zeros(1), [torch.ones(1), (torch.zeros(2),)], {"k": torch.ones(3)}, None, Pair(t, t))
+    flat, spec = pytree.tree_flatten(value)
+    rebuilt = _rebuilder(spec)(iter(flat))
+    assert pytree.tree_structure(rebuilt) == spec and all(a is b for a, b in zip(pytree.tree_leaves(rebuilt), flat))
+    with pytest.raises(CompileFailed, match="returned 2 outputs where its function returns 3"):
+        _Package(Echo(), pytree.tree_structure((t, t, t)), [])([t, t])
+
+
 def test_bound_methods_are_refused_before_anything_is_compiled(tmp_path):
     """A bound method would compile its object's tensors in as constants, under a key that ignores them."""
     class Holder:

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from aie_lessons.engine.compiled_runner import (CompiledPagedRunner, DecodeRows, DecodeStep, bucket_for,
-                                                compiled_engine, decode_rows, pad_rows)
+                                                compiled_engine, pad_rows)
+from aie_lessons.engine.paged_batch import PagedBatch
 from aie_lessons.engine.paged_engine import paged_engine
 from aie_lessons.engine.paged_runner import PagedModelRunner
 from aie_lessons.kv_cache import kv_cache_bytes
@@ -21,6 +22,12 @@ PROMPTS = ["hello world", "the quick brown fox jumps over", "a", "over the lazy 
 PARAMS = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (14, 6, 9)] + [
     SamplingParams(max_new_tokens=11, ignore_eos=True, temperature=0.9, top_k=20, seed=3)]
 BLOCK = 4  # small blocks: prompts and outputs cross block boundaries
+
+
+def decode_rows(batch: PagedBatch) -> DecodeRows:
+    """The rows of a decode-only ``PagedBatch`` prepared for gathering, as stage 07 gives them."""
+    return DecodeRows(batch.input_ids[0], batch.positions[0], batch.slots, batch.decode_slots,
+                      batch.decode_mask[:, 0, 0])
 
 
 @pytest.fixture()
@@ -91,12 +98,12 @@ def test_a_decode_step_is_prepared_as_stage_07_prepares_it(tiny_untied_dir):
             for name in ("ids", "positions", "slots"):
                 assert torch.equal(getattr(mine.rows, name), getattr(want, name)), name
             # A row sees its own positions' slots, in order, and nothing past them (any width will
-            # do); the columns it does not see are slots of the pool all the same.
+            # do); the columns it does not see are slots of blocks the allocator hands out.
             width = want.visible.shape[1]
             assert mine.rows.visible.shape[1] >= width and not mine.rows.visible[:, width:].any()
             assert torch.equal(mine.rows.visible[:, :width], want.visible)
             assert torch.equal(mine.rows.columns[mine.rows.visible], want.columns[want.visible])
-            assert 0 <= mine.rows.columns.min() and mine.rows.columns.max() < runner.scratch_slot + BLOCK
+            assert 0 <= mine.rows.columns[:rows].min() and mine.rows.columns[:rows].max() < runner.scratch_slot
             assert torch.equal(mine.logits_at, stage07.logits_at)
             prepared.append((rows, len(mine.logits_at)))
         else:
@@ -125,17 +132,21 @@ def test_bf16_weights_agree_with_the_eager_bf16_engine(tiny_untied_dir):
     """Compiled, bf16 products round the activations to bf16; eager, the weights go to fp32.
     Every decode step is run both ways on the same cache and the logits compared."""
     _, compiled = engines(tiny_untied_dir, dtype=torch.bfloat16)
-    runner, eager, mine = compiled.runner, [], []
+    runner, eager, mine, schedules = compiled.runner, [], [], []
+    own = runner.prepare
+
+    def keep(schedule):
+        schedules.append(schedule)
+        return own(schedule)
 
     def both(batch):
         logits = CompiledPagedRunner.run(runner, batch)
-        if not batch.chunks:
-            eager.append(PagedModelRunner.run(runner, batch))
+        if isinstance(batch, DecodeStep):  # the engine's own step, then the eager one on stage 07's batch
+            eager.append(PagedModelRunner.run(runner, PagedModelRunner.prepare(runner, schedules[-1])))
             mine.append(logits)
         return logits
 
-    runner.run = both
-    runner.prepare = lambda schedule: PagedModelRunner.prepare(runner, schedule)  # stage 07's batch: both runners run it
+    runner.prepare, runner.run = keep, both
     compiled.generate(PROMPTS, [SamplingParams(max_new_tokens=8, ignore_eos=True)] * len(PROMPTS))
     result = agreement(torch.cat(eager), torch.cat(mine))
     assert result.positions >= 20

@@ -281,7 +281,12 @@ class _Package:
         return all(low <= inputs[i].shape[dim] <= high for i, dim, low, high in self.ranges)
 
     def __call__(self, inputs: list[torch.Tensor]) -> Any:
-        return self.rebuild(iter(self.runner.boxed_run(inputs)))
+        outputs = self.runner.boxed_run(inputs)
+        if len(outputs) != self.out_spec.num_leaves:
+            raise CompileFailed(f"the package returned {len(outputs)} outputs where its function returns "
+                                f"{self.out_spec.num_leaves}: it was built for another version of the step. Fix: delete "
+                                f"the compiler's folder ({aot_folder()} by default) to compile it again")
+        return self.rebuild(iter(outputs))
 
 
 def _rebuilder(spec: pytree.TreeSpec) -> Callable[[Iterator[Any]], Any]:
@@ -359,8 +364,10 @@ class AheadOfTimeFunction:
     remembered, for as long as it lives and forgotten with it (never keeping a finished
     request's cache alive), where it can be weakly referenced and is a list (stage 09's
     ``Call``: a step's layers, built once per request or runner) or a frozen dataclass (the
-    engine's ``DecodeRows``, one per step, handed to each of the step's seven calls). Other
-    arguments are flattened at every call.
+    engine's ``DecodeRows``, one per step, handed to each of the step's calls of its layers).
+    Other arguments are flattened at every call. What is remembered assumes that such a value's
+    contents stay as they were at its first call: the same tensors, shapes and dynamic marks
+    (frozen only stops a field from being replaced; a list's items are the caller's to keep).
     """
 
     def __init__(self, compiler: AheadOfTime, function: Callable):
@@ -387,7 +394,7 @@ class AheadOfTimeFunction:
             if _is_size(value):
                 parts.append("int")
             elif isinstance(value, torch.Tensor) and not getattr(value, "_dynamo_dynamic_indices", None):
-                inputs.append(value)  # structure()'s string, a tenth of the time: looked up at every call
+                inputs.append(value)  # a tuple key costs a tenth of structure()'s string, at every call
                 parts.append((value.dtype, value.shape, value.device))
             else:
                 tensors, text = self._flat(value)
