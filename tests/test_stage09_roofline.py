@@ -275,6 +275,7 @@ def _pad(rows, bucket, scratch, *, slot=None, id_=0, seen=1, first=False, rows_o
     (lambda r, b, s: _pad(r, b, s, visible_dtype=torch.long), "should stay torch.bool"),
     (lambda r, b, s: _pad(r, b, s, id_=-1), "padding token id -1"),
     (lambda r, b, s: _pad(r, b, s, in_place=True), "changed rows.visible in place"),
+    (lambda r, b, s: setattr(r, "ids", r.ids.clone()) or r, "a DecodeRows is frozen: leave the input alone"),
 ])
 def test_pad_rows_mistakes_are_named(wrong, message):
     with names_the_mistake("9.3", message):
