@@ -178,9 +178,9 @@ class CompiledPagedRunner(PagedModelRunner):
         self.calls = [Call(layers[i:i + layers_per_call]) for i in range(0, len(layers), layers_per_call)]
         self.head, self.final_norm = matrices[-1], model.norm.weight.detach().float()
         self.embed = model.embed_tokens.weight.detach()
-        # RoPE's tables, read by row: computing a step's few rows costs more than the lookup
-        # (some 60 µs against 10 on a CPU). Only the positions the pool can hold: a long-context
-        # model's own limit would make tables of gigabytes.
+        # RoPE's tables, read by row: a lookup is one operation a step where computing a step's
+        # rows takes several. Only the positions the pool can hold: a long-context model's own
+        # limit would make tables of gigabytes.
         positions = min(model.config.max_position_embeddings, num_blocks * block_size)
         everywhere = torch.arange(positions, device=self.device)[None]
         self.cos, self.sin = (t[0] for t in rope_cos_sin(everywhere, self.config.head_dim, self.config.rope_theta))
@@ -195,12 +195,12 @@ class CompiledPagedRunner(PagedModelRunner):
         block table too short for its chunk.
 
         Why not from stage 07's ``PagedBatch``: it builds some fifteen small tensors, for every
-        kind of attention call, of which a decode step reads five; at batch 1, where a step of
-        the int4 model takes about 10 ms, they cost a few percent of it. Here the columns are
-        whole blocks, looked up in ``block_slots``: T is a multiple of the block size, and the
-        columns past a row's own positions are masked — as in stage 07, a table shorter than the
-        step's longest is padded with block 0, which holds finite numbers like every block a
-        request has written."""
+        kind of attention call, of which a decode step reads five, and at batch 1 a quantized
+        step is short enough for their cost to show (benchmarks/single_prompt.py). Here the
+        columns are whole blocks, looked up in ``block_slots``: T is a multiple of the block
+        size, and the columns past a row's own positions are masked — as in stage 07, a table
+        shorter than the step's longest is padded with block 0, which holds finite numbers like
+        every block a request has written."""
         chunks, size = schedule.chunks, self.cache.block_size
         if (not chunks or len(chunks) > self.buckets[-1]
                 or any(c.length != 1 or len(c.kv) * size <= c.start for c in chunks)):
