@@ -31,12 +31,13 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
+from collections.abc import Iterator
 
 from aie_lessons.infra.compile_cache import use_compile_cache  # noqa: E402
 
 use_compile_cache()  # before anything imports inductor
 import torch  # noqa: E402
+from decode import in_turns  # noqa: E402  (benchmarks/decode.py: two token streams timed in turns)
 
 from aie_lessons.engine.engine import Engine  # noqa: E402
 from aie_lessons.engine.engine_config import EngineConfig, build_engine, compile_buckets  # noqa: E402
@@ -60,26 +61,29 @@ def load(weights: str) -> LlamaModel:
     return model if weights in ("fp32", "bf16") else quantize_model(model, weights)
 
 
-def side_by_side(decoder: FastDecoder, engine: Engine, prompt: list[int],
-                 params: SamplingParams) -> tuple[float, float, list[int], list[int]]:
-    """One request through both, a step of each in turn: the median decode step's tokens/s of the
-    decoder and of the engine, and the tokens of each."""
-    stream, request = decoder.tokens(prompt, params), engine.add_request(prompt, params)
-    tokens: list[int] = []
-    steps = {"decoder": lambda: tokens.append(next(stream)), "engine": engine.step}
-    seconds: dict[str, list[float]] = {"decoder": [], "engine": []}
+def engine_tokens(engine: Engine, prompt: list[int], params: SamplingParams) -> Iterator[int]:
+    """One request through the engine, a step (and its token) per ``next()``, as the decoder yields
+    them: the first ``next()`` runs the prefill."""
+    request = engine.add_request(prompt, params)
     for i in range(params.max_new_tokens):
-        for name in ("decoder", "engine") if i % 2 == 0 else ("engine", "decoder"):  # neither always first
-            start = time.perf_counter()
-            steps[name]()
-            seconds[name].append(time.perf_counter() - start)
+        engine.step()
         if len(request.output_ids) != i + 1:  # the prompt did not fit one step: steps and tokens out of line
             raise SystemExit(f"the engine's step {i + 1} made {len(request.output_ids)} tokens, not {i + 1}. Fix: "
                              "a shorter prompt, or a larger token budget")
+        yield request.output_ids[-1]
+
+
+def side_by_side(decoder: FastDecoder, engine: Engine, prompt: list[int],
+                 params: SamplingParams) -> tuple[float, float, list[int], list[int]]:
+    """One request through both, a step of each in turn (``decode.in_turns``, turns of one step:
+    both run on PyTorch's threads): the median decode step's tokens/s of the decoder and of the
+    engine, and the tokens of each."""
+    steps = in_turns({"decoder": decoder.tokens(prompt, params), "engine": engine_tokens(engine, prompt, params)},
+                     params.max_new_tokens, turn=1)
     while engine.has_work():  # nothing is left to compute; the request's end may be left to report
         engine.step()
-    decoder_rate, engine_rate = (1 / statistics.median(seconds[k][2:]) for k in ("decoder", "engine"))
-    return decoder_rate, engine_rate, tokens, request.output_ids
+    (decoder_seconds, expected), (engine_seconds, tokens) = steps["decoder"], steps["engine"]
+    return 1 / decoder_seconds, 1 / engine_seconds, expected, tokens
 
 
 def main() -> None:
