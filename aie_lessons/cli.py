@@ -200,9 +200,10 @@ def _loop(args: argparse.Namespace, count: int) -> str:
         refusal = _compiled_loop_refusal(args)
         if refusal:
             raise UsageError(refusal[1])
-    if args.quant_head and not args.quant:
-        raise UsageError("--quant-head quantizes the output head with the scheme of --quant. Fix: add "
-                         "--quant SCHEME")
+    for flag, given in (("--quant-head", args.quant_head), ("--quant-head-scheme", args.quant_head_scheme)):
+        if given and not args.quant:
+            raise UsageError(f"{flag} quantizes the output head beside the blocks of --quant. Fix: add "
+                             "--quant SCHEME")
     if loop == "engine":
         from aie_lessons.engine.scheduler import SchedulerConfig
 
@@ -449,7 +450,7 @@ def _generate(args: argparse.Namespace) -> int:
     if args.quant:  # stage 08: quantized once, then read from the checkpoint's quantized/ folder
         from aie_lessons.quantized_checkpoint import quantized_model
 
-        model = quantized_model(model_dir, args.quant, head=args.quant_head, **weights)
+        model = quantized_model(model_dir, args.quant, head=args.quant_head_scheme or args.quant_head, **weights)
     else:
         model = LlamaModel.from_pretrained(model_dir, **weights)
     encode = tokenizer.encode_chat if args.chat else tokenizer.encode
@@ -661,7 +662,11 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--quant", choices=QUANT_SCHEMES, metavar="SCHEME",
                      help=f"quantize the blocks' weights (stage 08): {', '.join(QUANT_SCHEMES)}; made once, "
                           "then read from the checkpoint's quantized/ folder")
-    gen.add_argument("--quant-head", action="store_true", help="with --quant: the output head too")
+    gen.add_argument("--quant-head", action="store_true", help="with --quant: the output head too, in its scheme")
+    gen.add_argument("--quant-head-scheme", choices=QUANT_SCHEMES, metavar="SCHEME",
+                     help="with --quant: the output head in SCHEME (int8 beside int4 blocks reads half a bf16 "
+                          "head's bytes and nearly always keeps its choices, as llama.cpp's 4-bit files keep "
+                          "a 6-bit head)")
     gen.add_argument("--device", default="cpu", help="cpu or cuda")
     gen.add_argument("--model", metavar="DIR", help="checkpoint folder (default: the fetched model)")
     gen.set_defaults(run=_generate)

@@ -248,17 +248,28 @@ def layer_schemes_for(names: list[str], scheme: QuantScheme,
     return chosen
 
 
-def quantize_model(model: LlamaModel, scheme: QuantScheme | str, head: bool = False,
+def head_scheme(scheme: QuantScheme, head: bool | QuantScheme | str) -> QuantScheme | None:
+    """The output head's scheme: none (False), the blocks' (True) or its own. Its own, because the
+    head is the one matrix every token reads whole, and a vocabulary's rows take fewer bits less
+    well than a block's: llama.cpp's 4-bit files keep a 6-bit head; int8 beside int4 blocks is
+    the course's nearest."""
+    if head is False or head is None:
+        return None
+    return scheme if head is True else scheme_named(head)
+
+
+def quantize_model(model: LlamaModel, scheme: QuantScheme | str, head: bool | QuantScheme | str = False,
                    overrides: Mapping[str, QuantScheme | str] | None = None,
                    kernels: bool = True) -> LlamaModel:
-    """Replace the blocks' linear layers (and with ``head`` the output head) by quantized ones,
-    in place. ``overrides`` maps layer names, or a prefix such as ``layers.3``, to another
-    scheme. A tied head gets its own quantized copy; the embedding lookup keeps the table.
-    Everything is checked before the first layer changes: an error leaves the model as it was."""
+    """Replace the blocks' linear layers (and with ``head`` the output head: True for the blocks'
+    scheme, or a scheme of its own) by quantized ones, in place. ``overrides`` maps layer names,
+    or a prefix such as ``layers.3``, to another scheme. A tied head gets its own quantized copy;
+    the embedding lookup keeps the table. Everything is checked before the first layer changes:
+    an error leaves the model as it was."""
     scheme = scheme_named(scheme)
     plan = layer_schemes_for(block_linear_names(model), scheme, overrides)
-    if head:
-        plan["lm_head"] = scheme
+    if head_scheme(scheme, head):
+        plan["lm_head"] = head_scheme(scheme, head)
     for name, layer_scheme in plan.items():
         layer = model.get_submodule(name)
         if not isinstance(layer, nn.Linear):

@@ -18,7 +18,7 @@ from safetensors.torch import save_file
 import aie_lessons.quantize
 from aie_lessons.config import ModelConfig
 from aie_lessons.model import LlamaModel
-from aie_lessons.quantize import (QuantizedLinear, QuantScheme, block_linear_names, layer_schemes_for,
+from aie_lessons.quantize import (QuantizedLinear, QuantScheme, block_linear_names, head_scheme, layer_schemes_for,
                                   quantize_model, scheme_named)
 
 FORMAT = "aie-quantized-1"
@@ -97,7 +97,7 @@ def load_quantized(model_dir: str | Path, path: str | Path, dtype: torch.dtype =
     return model
 
 
-def quantized_model(model_dir: str | Path, scheme: QuantScheme | str, head: bool = False,
+def quantized_model(model_dir: str | Path, scheme: QuantScheme | str, head: bool | QuantScheme | str = False,
                     overrides: Mapping[str, QuantScheme | str] | None = None,
                     dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
                     activations: torch.dtype = torch.float32, cache_dir: str | Path | None = None,
@@ -105,22 +105,26 @@ def quantized_model(model_dir: str | Path, scheme: QuantScheme | str, head: bool
     """The model quantized with ``scheme``, always from the fp32 weights: read from ``cache_dir``
     (by default the checkpoint's ``quantized/`` folder) if it was made before from this
     checkpoint, by this code, with these layer schemes; else made now and written there. Files
-    of the same scheme made before (older weights or code) are removed."""
+    of the same scheme made before (older weights or code) are removed. ``head`` as in
+    ``quantize_model``."""
     model_dir, scheme = Path(model_dir), scheme_named(scheme)
     cache_dir = model_dir / "quantized" if cache_dir is None else Path(cache_dir)
     with torch.device("meta"):  # the layers' names, without reading any weight
         names = block_linear_names(LlamaModel(ModelConfig.from_json(model_dir)))
-    plan = layer_schemes_for(names, scheme, overrides) | ({"lm_head": scheme} if head else {})
+    head = head_scheme(scheme, head)
+    plan = layer_schemes_for(names, scheme, overrides) | ({"lm_head": head} if head else {})
     code = inspect.getsource(aie_lessons.quantize)  # `aie commit 08` may have changed the arithmetic
     layers = hashlib.sha256(_schemes_json(plan).encode()).hexdigest()[:8]
     made = hashlib.sha256(f"{FORMAT}|{checkpoint_fingerprint(model_dir)}|{code}".encode()).hexdigest()[:8]
-    stem = f"{model_dir.name}-{scheme.name}{'-head' * head}-{layers}"
+    head_name = "" if head is None else "-head" if head == scheme else f"-head-{head.name}"
+    stem = f"{model_dir.name}-{scheme.name}{head_name}-{layers}"
     path = cache_dir / f"{stem}-{made}.safetensors"
     if path.exists() and read_metadata(path)["schemes"] != _schemes_json(plan):
         raise ValueError(f"{path} holds other layer schemes than its name says. Fix: delete it, and it is "
                          "made again")
     if not path.exists():
-        print(f"quantizing {model_dir.name} to {scheme.name}{' (head too)' * head}, once: "
+        told = "" if head is None else " (head too)" if head == scheme else f" (the head in {head.name})"
+        print(f"quantizing {model_dir.name} to {scheme.name}{told}, once: "
               f"it is kept in {path}", file=sys.stderr)
         model = quantize_model(LlamaModel.from_pretrained(model_dir), scheme, head=head, overrides=overrides)
         save_quantized(model, path, model_dir)

@@ -512,17 +512,28 @@ def layer_schemes_for(names: list[str], scheme: QuantScheme,
     return chosen
 
 
-def quantize_model(model: LlamaModel, scheme: QuantScheme | str, head: bool = False,
+def head_scheme(scheme: QuantScheme, head: bool | QuantScheme | str) -> QuantScheme | None:
+    """The output head's scheme: none (False), the blocks' (True) or its own. Its own, because the
+    head is the one matrix every token reads whole, and a vocabulary's rows take fewer bits less
+    well than a block's: llama.cpp's 4-bit files keep a 6-bit head; int8 beside int4 blocks is
+    the course's nearest."""
+    if head is False or head is None:
+        return None
+    return scheme if head is True else scheme_named(head)
+
+
+def quantize_model(model: LlamaModel, scheme: QuantScheme | str, head: bool | QuantScheme | str = False,
                    overrides: Mapping[str, QuantScheme | str] | None = None,
                    kernels: bool = True) -> LlamaModel:
-    """Replace the blocks' linear layers (and with ``head`` the output head) by quantized ones,
-    in place. ``overrides`` maps layer names, or a prefix such as ``layers.3``, to another
-    scheme. A tied head gets its own quantized copy; the embedding lookup keeps the table.
-    Everything is checked before the first layer changes: an error leaves the model as it was."""
+    """Replace the blocks' linear layers (and with ``head`` the output head: True for the blocks'
+    scheme, or a scheme of its own) by quantized ones, in place. ``overrides`` maps layer names,
+    or a prefix such as ``layers.3``, to another scheme. A tied head gets its own quantized copy;
+    the embedding lookup keeps the table. Everything is checked before the first layer changes:
+    an error leaves the model as it was."""
     scheme = scheme_named(scheme)
     plan = layer_schemes_for(block_linear_names(model), scheme, overrides)
-    if head:
-        plan["lm_head"] = scheme
+    if head_scheme(scheme, head):
+        plan["lm_head"] = head_scheme(scheme, head)
     for name, layer_scheme in plan.items():
         layer = model.get_submodule(name)
         if not isinstance(layer, nn.Linear):
@@ -1154,7 +1165,7 @@ from safetensors.torch import save_file
 import aie_lessons.quantize
 from aie_lessons.config import ModelConfig
 from aie_lessons.model import LlamaModel
-from aie_lessons.quantize import (QuantizedLinear, QuantScheme, block_linear_names, layer_schemes_for,
+from aie_lessons.quantize import (QuantizedLinear, QuantScheme, block_linear_names, head_scheme, layer_schemes_for,
                                   quantize_model, scheme_named)
 
 FORMAT = "aie-quantized-1"
@@ -1233,7 +1244,7 @@ def load_quantized(model_dir: str | Path, path: str | Path, dtype: torch.dtype =
     return model
 
 
-def quantized_model(model_dir: str | Path, scheme: QuantScheme | str, head: bool = False,
+def quantized_model(model_dir: str | Path, scheme: QuantScheme | str, head: bool | QuantScheme | str = False,
                     overrides: Mapping[str, QuantScheme | str] | None = None,
                     dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
                     activations: torch.dtype = torch.float32, cache_dir: str | Path | None = None,
@@ -1241,22 +1252,26 @@ def quantized_model(model_dir: str | Path, scheme: QuantScheme | str, head: bool
     """The model quantized with ``scheme``, always from the fp32 weights: read from ``cache_dir``
     (by default the checkpoint's ``quantized/`` folder) if it was made before from this
     checkpoint, by this code, with these layer schemes; else made now and written there. Files
-    of the same scheme made before (older weights or code) are removed."""
+    of the same scheme made before (older weights or code) are removed. ``head`` as in
+    ``quantize_model``."""
     model_dir, scheme = Path(model_dir), scheme_named(scheme)
     cache_dir = model_dir / "quantized" if cache_dir is None else Path(cache_dir)
     with torch.device("meta"):  # the layers' names, without reading any weight
         names = block_linear_names(LlamaModel(ModelConfig.from_json(model_dir)))
-    plan = layer_schemes_for(names, scheme, overrides) | ({"lm_head": scheme} if head else {})
+    head = head_scheme(scheme, head)
+    plan = layer_schemes_for(names, scheme, overrides) | ({"lm_head": head} if head else {})
     code = inspect.getsource(aie_lessons.quantize)  # `aie commit 08` may have changed the arithmetic
     layers = hashlib.sha256(_schemes_json(plan).encode()).hexdigest()[:8]
     made = hashlib.sha256(f"{FORMAT}|{checkpoint_fingerprint(model_dir)}|{code}".encode()).hexdigest()[:8]
-    stem = f"{model_dir.name}-{scheme.name}{'-head' * head}-{layers}"
+    head_name = "" if head is None else "-head" if head == scheme else f"-head-{head.name}"
+    stem = f"{model_dir.name}-{scheme.name}{head_name}-{layers}"
     path = cache_dir / f"{stem}-{made}.safetensors"
     if path.exists() and read_metadata(path)["schemes"] != _schemes_json(plan):
         raise ValueError(f"{path} holds other layer schemes than its name says. Fix: delete it, and it is "
                          "made again")
     if not path.exists():
-        print(f"quantizing {model_dir.name} to {scheme.name}{' (head too)' * head}, once: "
+        told = "" if head is None else " (head too)" if head == scheme else f" (the head in {head.name})"
+        print(f"quantizing {model_dir.name} to {scheme.name}{told}, once: "
               f"it is kept in {path}", file=sys.stderr)
         model = quantize_model(LlamaModel.from_pretrained(model_dir), scheme, head=head, overrides=overrides)
         save_quantized(model, path, model_dir)

@@ -208,6 +208,28 @@ def test_quant_quantizes_once_and_reads_the_file_after(tiny_dir, tmp_path, monke
     assert json.loads(first.stdout)["token_ids"] == second["token_ids"] == engine["token_ids"] == want.token_ids
 
 
+def test_the_head_in_a_scheme_of_its_own(tiny_dir, tmp_path, capsys):
+    """`--quant int4-g32 --quant-head-scheme int8`: int4 blocks and an int8 head (llama.cpp's
+    4-bit files keep a 6-bit one), the tokens of that model in-process."""
+    import shutil
+
+    from aie_lessons.cached_generate import generate_cached
+    from aie_lessons.model import LlamaModel
+    from aie_lessons.quantize import quantize_model
+    from aie_lessons.sampling import SamplingParams
+    from aie_lessons.tokenizer import Tokenizer
+
+    model_dir = tmp_path / "tiny"
+    shutil.copytree(tiny_dir, model_dir)
+    status, out, err = aie(capsys, "generate", "hello", "--model", str(model_dir), "--max-new-tokens", "6", "--json",
+                           "--quant", "int4-g32", "--quant-head-scheme", "int8", "--loop", "cached")
+    assert status == 0 and "to int4-g32 (the head in int8), once" in err, err
+    tokenizer = Tokenizer.from_pretrained(model_dir)
+    model = quantize_model(LlamaModel.from_pretrained(model_dir), "int4-g32", head="int8")
+    want = generate_cached(model, tokenizer, [tokenizer.encode("hello")], SamplingParams(max_new_tokens=6))[0]
+    assert json.loads(out)["token_ids"] == want.token_ids
+
+
 def test_the_cli_names_every_quantization_scheme():
     from aie_lessons.cli import QUANT_SCHEMES
     from aie_lessons.quantize import SCHEMES
@@ -550,6 +572,8 @@ BAD_INPUTS = [
     (("status", "00"), "stage 00 has no exercises"),
     (("generate", "x", "--model", "{tiny}", "--loop", "compiled", "--quant", "int4-g192"), "takes no int4-g192"),
     (("generate", "x", "--model", "{tiny}", "--quant-head"), "Fix: add --quant SCHEME"),
+    (("generate", "x", "--model", "{tiny}", "--quant-head-scheme", "int8"), "Fix: add --quant SCHEME"),
+    (("generate", "x", "--quant", "int4-g32", "--quant-head-scheme", "int3"), "invalid choice: 'int3'"),
     (("generate", "x", "--quant", "int3"), "invalid choice: 'int3'"),
     (("frobnicate",), "invalid choice: 'frobnicate'"),
 ]

@@ -345,7 +345,7 @@ def _quantized(model_dir, scheme, **kwargs):
     return quantize_model(LlamaModel.from_pretrained(model_dir), scheme, **kwargs)
 
 
-@pytest.mark.parametrize("scheme, head", [("int8", False), ("int4-g32", False), ("int8", True)])
+@pytest.mark.parametrize("scheme, head", [("int8", False), ("int4-g32", False), ("int8", True), ("int4-g32", "int8")])
 def test_quantized_decoder_gives_the_quantized_models_logits(tiny_untied_dir, scheme, head):
     """The decoder stacks each group's integers for its kernels; the model multiplies layer by
     layer in fp32. The kernels round the input vector (PyTorch's to bf16, the course's to int8

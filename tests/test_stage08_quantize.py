@@ -10,7 +10,7 @@ from aie_lessons.infra.paths import DATA_DIR
 from aie_lessons.model import LlamaModel
 from aie_lessons.quantize import (KERNEL_MAX_ROWS, SCHEMES, QuantizedLinear, QuantScheme, block_linear_names,
                                   bytes_read_per_token, dequantize_int4, dequantize_int8,
-                                  pack_int4, quantize_int4, quantize_int8, quantize_model, unpack_int4)
+                                  pack_int4, quantize_int4, quantize_int8, quantize_model, scheme_named, unpack_int4)
 from aie_lessons.quantized_checkpoint import layer_schemes
 from aie_lessons.sensitivity import groups_by_kind, groups_by_layer, sensitivity
 from aie_lessons.int8_kv_cache import Int8KVCache
@@ -353,6 +353,27 @@ def test_quantize_model_swaps_the_blocks_layers_and_keeps_a_tied_head(tiny_dir):
     assert bytes_read_per_token(model) < after_blocks  # the head is read in int8 now
     with torch.inference_mode():
         assert torch.isfinite(model(torch.tensor([[1, 2, 3]]))).all()
+
+
+def test_the_head_takes_a_scheme_of_its_own(tiny_dir, tmp_path, capsys):
+    """int4 blocks with an int8 head (llama.cpp's 4-bit files keep a 6-bit one), in memory and on
+    disk: the file says which, and is not the one of a head in the blocks' scheme."""
+    import aie_lessons.quantized_checkpoint as files
+    from aie_lessons.quantize import head_scheme
+
+    int4, int8 = scheme_named("int4-g32"), scheme_named("int8")
+    assert [head_scheme(int4, h) for h in (False, True, "int8", int8)] == [None, int4, int8, int8]
+    model = quantize_model(LlamaModel.from_pretrained(tiny_dir), "int4-g32", head="int8")
+    schemes = layer_schemes(model)
+    assert schemes.pop("lm_head") == int8 and set(schemes.values()) == {int4}
+    for head, told in ((True, "int4-g32 (head too)"), ("int8", "int4-g32 (the head in int8)")):
+        loaded = files.quantized_model(tiny_dir, "int4-g32", head=head, cache_dir=tmp_path)
+        assert layer_schemes(loaded)["lm_head"] == head_scheme(int4, head)
+        assert f"quantizing {tiny_dir.name} to {told}, once" in capsys.readouterr().err
+    names = [path.name.removeprefix(f"{tiny_dir.name}-int4-g32-") for path in tmp_path.glob("*.safetensors")]
+    assert sorted(name.startswith("head-int8-") for name in names) == [False, True], names
+    with pytest.raises(ValueError, match="unknown scheme .int3."):
+        quantize_model(LlamaModel.from_pretrained(tiny_dir), "int8", head="int3")
 
 
 def test_unknown_or_impossible_schemes_are_clear_errors(tiny_dir):
