@@ -1332,12 +1332,17 @@ print(repr(tokenizer.decode(engine_ids[0])))
 
 # %% [markdown]
 # From the command line, `--quant` picks the scheme, `--quant-head` quantizes the output head
-# too, and the first run writes the file the next runs read:
+# too (`--quant-head-scheme int8` in a scheme of its own), and the first run writes the file the
+# next runs read:
 #
 # ```
 # aie generate --quant int8 "The capital of France is"
 # aie generate --quant int4-g32 --quant-head --activations bfloat16 "The capital of France is"
+# aie generate --quant int4-g32 --quant-head-scheme int8 "The capital of France is"
 # ```
+#
+# The head is the one matrix every token reads whole: llama.cpp's 4-bit files keep it in 6 bits
+# rather than 4, and int8 is the nearest of the schemes here.
 #
 # With `--activations bfloat16`, decode steps of up to `KERNEL_MAX_ROWS` requests take the CPU
 # kernels of section 6.
