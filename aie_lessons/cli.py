@@ -161,11 +161,21 @@ def _int4_kernel_refusal(args: argparse.Namespace, what: str, instead: str) -> s
     which names the layer once the model has loaded."""
     from aie_lessons.quantize import INT4_KERNEL_GROUP_SIZES, SCHEMES
 
-    scheme = SCHEMES[args.quant] if args.quant else None
-    if scheme and scheme.bits == 4 and scheme.group_size not in INT4_KERNEL_GROUP_SIZES:
-        return (f"{what} reads quantized weights through PyTorch's int4 kernel, which takes no {args.quant}. "
-                f"Fix: --quant int4-g64 or int4-g32, or {instead}")
+    for flag, name in (("--quant", args.quant), ("--quant-head-scheme", args.quant_head_scheme)):
+        scheme = SCHEMES[name] if name else None
+        if scheme and scheme.bits == 4 and scheme.group_size not in INT4_KERNEL_GROUP_SIZES:
+            return (f"{what} reads quantized weights through PyTorch's int4 kernel, which takes no {name}. "
+                    f"Fix: {flag} int4-g64 or int4-g32, or {instead}")
     return None
+
+
+def _quant_head(args: argparse.Namespace) -> bool | str:
+    """``quantized_model``'s ``head`` from --quant-head (the blocks' scheme) or --quant-head-scheme
+    (its own), refused without --quant: there is no quantized model to put the head in."""
+    flag = "--quant-head" if args.quant_head else "--quant-head-scheme" if args.quant_head_scheme else None
+    if flag and not args.quant:
+        raise UsageError(f"{flag} quantizes the output head beside the blocks of --quant. Fix: add --quant SCHEME")
+    return args.quant_head_scheme or args.quant_head
 
 
 def torch_device_type(name: str) -> str:
@@ -200,10 +210,7 @@ def _loop(args: argparse.Namespace, count: int) -> str:
         refusal = _compiled_loop_refusal(args)
         if refusal:
             raise UsageError(refusal[1])
-    for flag, given in (("--quant-head", args.quant_head), ("--quant-head-scheme", args.quant_head_scheme)):
-        if given and not args.quant:
-            raise UsageError(f"{flag} quantizes the output head beside the blocks of --quant. Fix: add "
-                             "--quant SCHEME")
+    _quant_head(args)
     if loop == "engine":
         from aie_lessons.engine.scheduler import SchedulerConfig
 
@@ -450,7 +457,7 @@ def _generate(args: argparse.Namespace) -> int:
     if args.quant:  # stage 08: quantized once, then read from the checkpoint's quantized/ folder
         from aie_lessons.quantized_checkpoint import quantized_model
 
-        model = quantized_model(model_dir, args.quant, head=args.quant_head_scheme or args.quant_head, **weights)
+        model = quantized_model(model_dir, args.quant, head=_quant_head(args), **weights)
     else:
         model = LlamaModel.from_pretrained(model_dir, **weights)
     encode = tokenizer.encode_chat if args.chat else tokenizer.encode
@@ -662,11 +669,11 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--quant", choices=QUANT_SCHEMES, metavar="SCHEME",
                      help=f"quantize the blocks' weights (stage 08): {', '.join(QUANT_SCHEMES)}; made once, "
                           "then read from the checkpoint's quantized/ folder")
-    gen.add_argument("--quant-head", action="store_true", help="with --quant: the output head too, in its scheme")
-    gen.add_argument("--quant-head-scheme", choices=QUANT_SCHEMES, metavar="SCHEME",
-                     help="with --quant: the output head in SCHEME (int8 beside int4 blocks reads half a bf16 "
-                          "head's bytes and nearly always keeps its choices, as llama.cpp's 4-bit files keep "
-                          "a 6-bit head)")
+    head = gen.add_mutually_exclusive_group()
+    head.add_argument("--quant-head", action="store_true", help="with --quant: the output head too, in --quant's scheme")
+    head.add_argument("--quant-head-scheme", choices=QUANT_SCHEMES, metavar="SCHEME",
+                      help="with --quant: the output head in SCHEME (int8 beside int4 blocks: a quarter of an fp32 "
+                           "head's bytes, as llama.cpp's 4-bit files keep a 6-bit head)")
     gen.add_argument("--device", default="cpu", help="cpu or cuda")
     gen.add_argument("--model", metavar="DIR", help="checkpoint folder (default: the fetched model)")
     gen.set_defaults(run=_generate)

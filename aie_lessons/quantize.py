@@ -248,17 +248,20 @@ def layer_schemes_for(names: list[str], scheme: QuantScheme,
     return chosen
 
 
-def head_scheme(scheme: QuantScheme, head: bool | QuantScheme | str) -> QuantScheme | None:
-    """The output head's scheme: none (False), the blocks' (True) or its own. Its own, because the
-    head is the one matrix every token reads whole, and a vocabulary's rows take fewer bits less
-    well than a block's: llama.cpp's 4-bit files keep a 6-bit head; int8 beside int4 blocks is
-    the course's nearest."""
-    if head is False or head is None:
-        return None
-    return scheme if head is True else scheme_named(head)
+def head_scheme(scheme: QuantScheme, head: bool | QuantScheme | str | None) -> QuantScheme | None:
+    """The output head's scheme: none (False or None), the blocks' ``scheme`` (True) or one of
+    its own. Its own, because the head is the largest single matrix (vocabulary × hidden) and
+    the last: its rounding lands straight in the logits, which is why llama.cpp's 4-bit files
+    keep it in 6 bits; int8 is the course's nearest."""
+    if head is None or isinstance(head, bool):
+        return scheme if head else None
+    try:
+        return scheme_named(head)
+    except ValueError as exc:
+        raise ValueError(f"head: {exc}. Fix: head=True (the blocks' scheme), False, or one of those") from None
 
 
-def quantize_model(model: LlamaModel, scheme: QuantScheme | str, head: bool | QuantScheme | str = False,
+def quantize_model(model: LlamaModel, scheme: QuantScheme | str, head: bool | QuantScheme | str | None = False,
                    overrides: Mapping[str, QuantScheme | str] | None = None,
                    kernels: bool = True) -> LlamaModel:
     """Replace the blocks' linear layers (and with ``head`` the output head: True for the blocks'
@@ -268,8 +271,8 @@ def quantize_model(model: LlamaModel, scheme: QuantScheme | str, head: bool | Qu
     an error leaves the model as it was."""
     scheme = scheme_named(scheme)
     plan = layer_schemes_for(block_linear_names(model), scheme, overrides)
-    if head_scheme(scheme, head):
-        plan["lm_head"] = head_scheme(scheme, head)
+    if (lm_head := head_scheme(scheme, head)) is not None:
+        plan["lm_head"] = lm_head
     for name, layer_scheme in plan.items():
         layer = model.get_submodule(name)
         if not isinstance(layer, nn.Linear):

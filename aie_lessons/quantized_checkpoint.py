@@ -97,7 +97,7 @@ def load_quantized(model_dir: str | Path, path: str | Path, dtype: torch.dtype =
     return model
 
 
-def quantized_model(model_dir: str | Path, scheme: QuantScheme | str, head: bool | QuantScheme | str = False,
+def quantized_model(model_dir: str | Path, scheme: QuantScheme | str, head: bool | QuantScheme | str | None = False,
                     overrides: Mapping[str, QuantScheme | str] | None = None,
                     dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
                     activations: torch.dtype = torch.float32, cache_dir: str | Path | None = None,
@@ -111,22 +111,23 @@ def quantized_model(model_dir: str | Path, scheme: QuantScheme | str, head: bool
     cache_dir = model_dir / "quantized" if cache_dir is None else Path(cache_dir)
     with torch.device("meta"):  # the layers' names, without reading any weight
         names = block_linear_names(LlamaModel(ModelConfig.from_json(model_dir)))
-    head = head_scheme(scheme, head)
-    plan = layer_schemes_for(names, scheme, overrides) | ({"lm_head": head} if head else {})
+    lm_head = head_scheme(scheme, head)
+    plan = layer_schemes_for(names, scheme, overrides) | ({"lm_head": lm_head} if lm_head is not None else {})
     code = inspect.getsource(aie_lessons.quantize)  # `aie commit 08` may have changed the arithmetic
     layers = hashlib.sha256(_schemes_json(plan).encode()).hexdigest()[:8]
     made = hashlib.sha256(f"{FORMAT}|{checkpoint_fingerprint(model_dir)}|{code}".encode()).hexdigest()[:8]
-    head_name = "" if head is None else "-head" if head == scheme else f"-head-{head.name}"
+    # The head in the file's name and in what is said: "-head" in the blocks' scheme, else its own.
+    head_name, told = (("", "") if lm_head is None else ("-head", " (head too)") if lm_head == scheme
+                       else (f"-head-{lm_head.name}", f" (the head in {lm_head.name})"))
     stem = f"{model_dir.name}-{scheme.name}{head_name}-{layers}"
     path = cache_dir / f"{stem}-{made}.safetensors"
     if path.exists() and read_metadata(path)["schemes"] != _schemes_json(plan):
         raise ValueError(f"{path} holds other layer schemes than its name says. Fix: delete it, and it is "
                          "made again")
     if not path.exists():
-        told = "" if head is None else " (head too)" if head == scheme else f" (the head in {head.name})"
         print(f"quantizing {model_dir.name} to {scheme.name}{told}, once: "
               f"it is kept in {path}", file=sys.stderr)
-        model = quantize_model(LlamaModel.from_pretrained(model_dir), scheme, head=head, overrides=overrides)
+        model = quantize_model(LlamaModel.from_pretrained(model_dir), scheme, head=lm_head, overrides=overrides)
         save_quantized(model, path, model_dir)
         for old in cache_dir.glob(f"{stem}-*.safetensors"):
             if old != path:

@@ -512,17 +512,20 @@ def layer_schemes_for(names: list[str], scheme: QuantScheme,
     return chosen
 
 
-def head_scheme(scheme: QuantScheme, head: bool | QuantScheme | str) -> QuantScheme | None:
-    """The output head's scheme: none (False), the blocks' (True) or its own. Its own, because the
-    head is the one matrix every token reads whole, and a vocabulary's rows take fewer bits less
-    well than a block's: llama.cpp's 4-bit files keep a 6-bit head; int8 beside int4 blocks is
-    the course's nearest."""
-    if head is False or head is None:
-        return None
-    return scheme if head is True else scheme_named(head)
+def head_scheme(scheme: QuantScheme, head: bool | QuantScheme | str | None) -> QuantScheme | None:
+    """The output head's scheme: none (False or None), the blocks' ``scheme`` (True) or one of
+    its own. Its own, because the head is the largest single matrix (vocabulary × hidden) and
+    the last: its rounding lands straight in the logits, which is why llama.cpp's 4-bit files
+    keep it in 6 bits; int8 is the course's nearest."""
+    if head is None or isinstance(head, bool):
+        return scheme if head else None
+    try:
+        return scheme_named(head)
+    except ValueError as exc:
+        raise ValueError(f"head: {exc}. Fix: head=True (the blocks' scheme), False, or one of those") from None
 
 
-def quantize_model(model: LlamaModel, scheme: QuantScheme | str, head: bool | QuantScheme | str = False,
+def quantize_model(model: LlamaModel, scheme: QuantScheme | str, head: bool | QuantScheme | str | None = False,
                    overrides: Mapping[str, QuantScheme | str] | None = None,
                    kernels: bool = True) -> LlamaModel:
     """Replace the blocks' linear layers (and with ``head`` the output head: True for the blocks'
@@ -532,8 +535,8 @@ def quantize_model(model: LlamaModel, scheme: QuantScheme | str, head: bool | Qu
     an error leaves the model as it was."""
     scheme = scheme_named(scheme)
     plan = layer_schemes_for(block_linear_names(model), scheme, overrides)
-    if head_scheme(scheme, head):
-        plan["lm_head"] = head_scheme(scheme, head)
+    if (lm_head := head_scheme(scheme, head)) is not None:
+        plan["lm_head"] = lm_head
     for name, layer_scheme in plan.items():
         layer = model.get_submodule(name)
         if not isinstance(layer, nn.Linear):
@@ -1244,7 +1247,7 @@ def load_quantized(model_dir: str | Path, path: str | Path, dtype: torch.dtype =
     return model
 
 
-def quantized_model(model_dir: str | Path, scheme: QuantScheme | str, head: bool | QuantScheme | str = False,
+def quantized_model(model_dir: str | Path, scheme: QuantScheme | str, head: bool | QuantScheme | str | None = False,
                     overrides: Mapping[str, QuantScheme | str] | None = None,
                     dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
                     activations: torch.dtype = torch.float32, cache_dir: str | Path | None = None,
@@ -1258,22 +1261,23 @@ def quantized_model(model_dir: str | Path, scheme: QuantScheme | str, head: bool
     cache_dir = model_dir / "quantized" if cache_dir is None else Path(cache_dir)
     with torch.device("meta"):  # the layers' names, without reading any weight
         names = block_linear_names(LlamaModel(ModelConfig.from_json(model_dir)))
-    head = head_scheme(scheme, head)
-    plan = layer_schemes_for(names, scheme, overrides) | ({"lm_head": head} if head else {})
+    lm_head = head_scheme(scheme, head)
+    plan = layer_schemes_for(names, scheme, overrides) | ({"lm_head": lm_head} if lm_head is not None else {})
     code = inspect.getsource(aie_lessons.quantize)  # `aie commit 08` may have changed the arithmetic
     layers = hashlib.sha256(_schemes_json(plan).encode()).hexdigest()[:8]
     made = hashlib.sha256(f"{FORMAT}|{checkpoint_fingerprint(model_dir)}|{code}".encode()).hexdigest()[:8]
-    head_name = "" if head is None else "-head" if head == scheme else f"-head-{head.name}"
+    # The head in the file's name and in what is said: "-head" in the blocks' scheme, else its own.
+    head_name, told = (("", "") if lm_head is None else ("-head", " (head too)") if lm_head == scheme
+                       else (f"-head-{lm_head.name}", f" (the head in {lm_head.name})"))
     stem = f"{model_dir.name}-{scheme.name}{head_name}-{layers}"
     path = cache_dir / f"{stem}-{made}.safetensors"
     if path.exists() and read_metadata(path)["schemes"] != _schemes_json(plan):
         raise ValueError(f"{path} holds other layer schemes than its name says. Fix: delete it, and it is "
                          "made again")
     if not path.exists():
-        told = "" if head is None else " (head too)" if head == scheme else f" (the head in {head.name})"
         print(f"quantizing {model_dir.name} to {scheme.name}{told}, once: "
               f"it is kept in {path}", file=sys.stderr)
-        model = quantize_model(LlamaModel.from_pretrained(model_dir), scheme, head=head, overrides=overrides)
+        model = quantize_model(LlamaModel.from_pretrained(model_dir), scheme, head=lm_head, overrides=overrides)
         save_quantized(model, path, model_dir)
         for old in cache_dir.glob(f"{stem}-*.safetensors"):
             if old != path:
@@ -1341,8 +1345,9 @@ print(repr(tokenizer.decode(engine_ids[0])))
 # aie generate --quant int4-g32 --quant-head-scheme int8 "The capital of France is"
 # ```
 #
-# The head is the one matrix every token reads whole: llama.cpp's 4-bit files keep it in 6 bits
-# rather than 4, and int8 is the nearest of the schemes here.
+# The head is the largest single matrix (vocabulary × hidden) and the last, its rounding lands
+# straight in the logits: llama.cpp's 4-bit files keep it in 6 bits rather than 4, and int8 is
+# the nearest of the schemes here.
 #
 # With `--activations bfloat16`, decode steps of up to `KERNEL_MAX_ROWS` requests take the CPU
 # kernels of section 6.

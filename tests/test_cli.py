@@ -574,6 +574,12 @@ BAD_INPUTS = [
     (("generate", "x", "--model", "{tiny}", "--quant-head"), "Fix: add --quant SCHEME"),
     (("generate", "x", "--model", "{tiny}", "--quant-head-scheme", "int8"), "Fix: add --quant SCHEME"),
     (("generate", "x", "--quant", "int4-g32", "--quant-head-scheme", "int3"), "invalid choice: 'int3'"),
+    (("generate", "x", "--quant", "int8", "--quant-head", "--quant-head-scheme", "int8"),
+     "argument --quant-head-scheme: not allowed with argument --quant-head"),
+    (("generate", "x", "--model", "{tiny}", "--loop", "compiled", "--quant", "int4-g32", "--quant-head-scheme",
+      "int4-g192"), "takes no int4-g192. Fix: --quant-head-scheme int4-g64 or int4-g32"),
+    (("generate", "x", "--model", "{tiny}", "--step", "compiled", "--quant", "int4-g32", "--quant-head-scheme",
+      "int4-g192"), "takes no int4-g192. Fix: --quant-head-scheme int4-g64 or int4-g32"),
     (("generate", "x", "--quant", "int3"), "invalid choice: 'int3'"),
     (("frobnicate",), "invalid choice: 'frobnicate'"),
 ]
