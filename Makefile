@@ -14,12 +14,12 @@ NBVAL  := --nbval --nbval-current-env --nbval-sanitize-with solutions/sanitize.c
 .PHONY: lab test test-fast notebooks bench bench-gpu bench-throughput bench-serve model venv clean
 
 venv: $(STAMP)
-# --no-compile: pip would byte-compile every module of every package (torch alone has thousands),
-# half of the install's time (133 s against 70 s on an AVX2 Zen 3); Python compiles the modules
-# a process imports when it first imports them, and keeps them.
+# pip byte-compiles every module it installs (about half of the install's time), and that must
+# stay: where PYTHONDONTWRITEBYTECODE is set (as on the course machine), Python never writes the
+# compiled modules itself, and every process would compile torch's from source at each import.
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --no-compile -e ".[dev,serve]"
+	$(PY) -m pip install -e ".[dev,serve]"
 	touch $(STAMP)
 
 model: $(MODEL)
