@@ -156,9 +156,9 @@ def _compiled_step_refusal(args: argparse.Namespace) -> str | None:
 
 
 def _int4_kernel_refusal(args: argparse.Namespace, what: str, instead: str) -> str | None:
-    """Why ``what`` cannot read --quant's weights (PyTorch's int4 CPU kernel takes only some
-    group sizes), with the fix, or None; the kernels' rule itself is stage 09's ``kernel_refusal``,
-    which names the layer once the model has loaded."""
+    """Why ``what`` cannot read the weights of --quant or of --quant-head-scheme (PyTorch's int4 CPU
+    kernel takes only some group sizes), naming that flag in the fix, or None; the kernels' rule
+    itself is stage 09's ``kernel_refusal``, which names the layer once the model has loaded."""
     from aie_lessons.quantize import INT4_KERNEL_GROUP_SIZES, SCHEMES
 
     for flag, name in (("--quant", args.quant), ("--quant-head-scheme", args.quant_head_scheme)):
