@@ -1567,14 +1567,16 @@ def kernel_matrix(group: list[QuantizedLinear]) -> KernelMatrix:
     and an int4 group lie within one layer's row, so stacking the integers, scales and zeros
     changes no number; a single PyTorch-kernel layer lends its own layout."""
     scheme = group[0].scheme
-    ours = int_kernels.unavailable() is None and int_kernels.fits(scheme.bits, scheme.group_size, group[0].in_features)
+    rows = sum(layer.out_features for layer in group)
+    ours = int_kernels.unavailable() is None and int_kernels.fits(scheme.bits, scheme.group_size,
+                                                                   group[0].in_features, rows)
     if len(group) == 1 and not ours:
         return KernelMatrix(*group[0].kernel_weights(), scheme)
     q, scale, zero = (torch.cat([getattr(layer, name) for layer in group]) for name in ("q", "scale", "zero"))
     if not ours:
         return KernelMatrix(*kernel_layout(q, scale, zero, scheme), scheme)
     if scheme.bits == 8:
-        return KernelMatrix(q, scale, scheme, "aie")
+        return KernelMatrix(int_kernels.int8_layout(q), scale, scheme, "aie")
     return KernelMatrix(*int_kernels.int4_layout(q, scale, zero), scheme, "aie")
 
 

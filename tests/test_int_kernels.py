@@ -38,7 +38,7 @@ def rounded_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def int4_model(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group: int) -> torch.Tensor:
     """The int4 kernel's arithmetic: level × scale against the rounded x, low × each group's exact sum."""
     _, scale_low = int_kernels.int4_layout(q, scale, zero)
-    s, low = scale_low.double().unbind(-1)
+    s, low = scale_low.double().permute(0, 3, 1, 2).reshape(q.shape[0], -1, 2).unbind(-1)  # tiles back to rows
     levels = (unpack_int4(q).double() + 8).reshape(q.shape[0], -1, group)
     rounded, sums = rounded_activations(x)
     group_sums = sums.reshape(x.shape[0], -1, group // 32).sum(-1)
@@ -47,7 +47,7 @@ def int4_model(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, zero: torc
 
 
 @pytest.mark.parametrize("rows", [1, 3, 4, 9])
-@pytest.mark.parametrize("out_features,in_features,group", [(40, 64, 32), (96, 256, 64), (33, 384, 128)])
+@pytest.mark.parametrize("out_features,in_features,group", [(40, 64, 32), (96, 256, 64), (36, 384, 128)])
 def test_int4_linear_computes_its_arithmetic_and_stays_near_the_float_product(rows, out_features, in_features, group):
     torch.manual_seed(rows * 1000 + out_features)
     weight = torch.randn(out_features, in_features) * 0.05
@@ -62,14 +62,14 @@ def test_int4_linear_computes_its_arithmetic_and_stays_near_the_float_product(ro
 
 
 @pytest.mark.parametrize("rows", [1, 4, 6])
-@pytest.mark.parametrize("out_features,in_features", [(40, 64), (7, 576)])
+@pytest.mark.parametrize("out_features,in_features", [(40, 64), (8, 576)])
 def test_int8_linear_computes_its_arithmetic_and_stays_near_the_float_product(rows, out_features, in_features):
     torch.manual_seed(rows * 100 + out_features)
     weight = torch.randn(out_features, in_features) * 0.05
     x = torch.randn(rows, in_features) * 3
     x[0, :32] = 0  # a block of zeros: scale 0, no division by it
     q, scale = quantize_int8(weight)
-    got = int_kernels.int8_linear(x, q, scale)
+    got = int_kernels.int8_linear(x, int_kernels.int8_layout(q), scale)
     rounded, _ = rounded_activations(x)
     torch.testing.assert_close(got, (rounded @ q.double().T * scale.double()).float(), rtol=1e-4, atol=1e-4)
     exact = x @ dequantize_int8(q, scale).T
@@ -89,7 +89,7 @@ def test_a_row_gets_the_same_bits_alone_or_in_any_batch(bits):
         product = lambda rows: int_kernels.int4_linear(rows, *layout, 64)  # noqa: E731
     else:
         q, scale = quantize_int8(weight)
-        product = lambda rows: int_kernels.int8_linear(rows, q, scale)  # noqa: E731
+        product = lambda rows: int_kernels.int8_linear(rows, int_kernels.int8_layout(q), scale)  # noqa: E731
     alone = torch.cat([product(x[i:i + 1]) for i in range(9)])
     for rows in range(1, 10):
         assert torch.equal(product(x[:rows]), alone[:rows]), rows
@@ -100,7 +100,7 @@ def test_a_nan_input_gives_nan_outputs():
     q, scale = quantize_int8(torch.randn(4, 64))
     x = torch.randn(2, 64)
     x[1, 40] = float("nan")
-    out = int_kernels.int8_linear(x, q, scale)
+    out = int_kernels.int8_linear(x, int_kernels.int8_layout(q), scale)
     assert out[0].isfinite().all() and out[1].isnan().all()
     q4, s4, z4 = quantize_int4(torch.randn(4, 64), 32)
     assert int_kernels.int4_linear(x, *int_kernels.int4_layout(q4, s4, z4), 32)[1].isnan().all()
@@ -127,16 +127,28 @@ def test_each_output_is_the_same_on_any_number_of_threads():
 def test_a_mismatched_input_is_refused_with_the_widths():
     q, scale = quantize_int8(torch.randn(8, 64))
     with pytest.raises(RuntimeError, match="x has 32 columns but the weight takes 64"):
-        int_kernels.int8_linear(torch.randn(2, 32), q, scale)
+        int_kernels.int8_linear(torch.randn(2, 32), int_kernels.int8_layout(q), scale)
+    with pytest.raises(RuntimeError, match=r"q should be contiguous .*tiles.*Fix: make it with int_kernels.int8_layout"):
+        int_kernels.int8_linear(torch.randn(2, 64), q, scale)  # stage 08's own (out, in) order
     q4, s4, z4 = quantize_int4(torch.randn(8, 64), 32)
+    levels, pairs = int_kernels.int4_layout(q4, s4, z4)
     with pytest.raises(RuntimeError, match="scale_low should be contiguous float16"):
-        torch.ops.aie.int4_linear(torch.randn(1, 64), q4, torch.stack([s4, z4], -1), 32)
-    _, pairs = int_kernels.int4_layout(q4, s4, z4)
-    with pytest.raises(RuntimeError, match=r"of shape \(8, 2, 2\).*Fix: make it with int_kernels.int4_layout"):
-        torch.ops.aie.int4_linear(torch.randn(1, 64), q4, pairs.transpose(0, 1).contiguous(), 32)  # PyTorch's order
+        torch.ops.aie.int4_linear(torch.randn(1, 64), levels, torch.stack([s4, z4], -1), 32)
+    with pytest.raises(RuntimeError, match=r"of shape \(2, 2, 2, 4\).*Fix: make it with int_kernels.int4_layout"):
+        rows = pairs.permute(0, 3, 1, 2).reshape(8, 2, 2).contiguous()  # a (scale, low) pair per row and group
+        torch.ops.aie.int4_linear(torch.randn(1, 64), levels, rows, 32)
     for group in (0, 48):
         with pytest.raises(RuntimeError, match=f"groups of {group} do not tile 64 columns"):
-            torch.ops.aie.int4_linear(torch.randn(1, 64), q4, pairs, group)
+            torch.ops.aie.int4_linear(torch.randn(1, 64), levels, pairs, group)
+
+
+def test_a_weight_that_is_not_whole_tiles_is_left_to_pytorch():
+    """The kernels take outputs in tiles of four rows: a layer of 33 does not fit them (and the
+    decoder keeps PyTorch's kernel for it); the layouts refuse it, naming the check."""
+    assert int_kernels.fits(8, 0, 64, 36) and not int_kernels.fits(8, 0, 64, 33)
+    assert int_kernels.fits(4, 32, 64, 36) and not int_kernels.fits(4, 32, 64, 33)
+    with pytest.raises(ValueError, match=r"\(33, 64\) weight does not split into tiles of 4 rows.*int_kernels.fits"):
+        int_kernels.int8_layout(quantize_int8(torch.randn(33, 64))[0])
 
 
 def test_the_kernels_compile_inside_a_traced_function():
@@ -146,6 +158,7 @@ def test_the_kernels_compile_inside_a_traced_function():
     q, scale, zero = quantize_int4(torch.randn(64, 128), 32)
     q4, scale_low = int_kernels.int4_layout(q, scale, zero)
     q8, scale8 = quantize_int8(torch.randn(16, 64))
+    q8 = int_kernels.int8_layout(q8)
 
     def step(x: torch.Tensor) -> torch.Tensor:
         return int_kernels.int8_linear(torch.relu(int_kernels.int4_linear(x, q4, scale_low, 32)) + 1, q8, scale8)

@@ -23,6 +23,7 @@
 namespace {
 
 constexpr int64_t kBlock = 32;  // activations: one int8 scale per 32 values
+constexpr int kTile = 4;       // weights: output columns a tile
 
 inline float horizontal_max(__m256 v) {
     __m128 h = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -78,74 +79,97 @@ void quantize_rows(const float* x, int64_t rows, int64_t K, int8_t* q, float* sc
     }
 }
 
-inline float horizontal_sum(__m256 v) {
-    __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    h = _mm_hadd_ps(h, h);
-    h = _mm_hadd_ps(h, h);
-    return _mm_cvtss_f32(h);
+inline __m128 fold_halves(__m256 v) {
+    return _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
 }
 
-// Output column n for R activation rows m ... m + R - 1 of an int4 weight row in the paired
-// layout (int_kernels.py's int4_layout): each 32 bytes hold two blocks of 32 levels, the first
-// block in the low four bits of each byte and the second in the high four. One load, one shift
-// and two masks unpack 64 weights (unpacking a block of stage 08's interleaved nibbles took as
-// many instructions as its products); the two blocks go into two accumulators, so a fused
-// multiply-add does not wait for the one before it. A row's sums are made in the same order
-// whatever R is: a request's outputs do not depend on the batch around it.
-template <int R>
-inline void int4_rows(const uint8_t* levels, const uint16_t* scale_low, int64_t per_group, const int8_t* xq,
-                      const float* dx, const float* xs, int64_t K, int64_t blocks, int64_t m, int64_t N, int64_t n,
-                      float* out) {
+// The horizontal sums of four accumulators, each added as a single vector's sum is: the two
+// halves, then neighbours, then the pairs.
+inline __m128 horizontal_sums(const __m256 v[kTile]) {
+    const __m128 pairs01 = _mm_hadd_ps(fold_halves(v[0]), fold_halves(v[1]));
+    const __m128 pairs23 = _mm_hadd_ps(fold_halves(v[2]), fold_halves(v[3]));
+    return _mm_hadd_ps(pairs01, pairs23);
+}
+
+// Weight bytes a loop touches about this far ahead are asked for before it needs them: the
+// hardware's prefetchers alone left a step's products at half the memory's speed on a Zen 3.
+constexpr int64_t kAhead = 2048;
+
+// Why tiles of four output columns: one weight row at batch 1 is a few hundred bytes, and a row
+// at a time keeps one chain of fused multiply-adds waiting on itself. Four columns make four
+// independent chains, share each block of activations (loaded, its signs taken) between them,
+// and end in one horizontal sum of four. The tile's blocks are interleaved in memory
+// (int_kernels.py's layouts), so the four columns are still read front to back as one stream:
+// with four rows read side by side from a plain layout the products got slower, not faster.
+// Each output is its own accumulator over the blocks in order, so its bits do not depend on the
+// tile, on the rows around it or on the threads.
+
+// Columns 4t ... 4t + 3 of one activation row times an int4 tile: per pair of blocks 128 bytes,
+// 32 a column (low nibbles one block of 32 levels, high nibbles the next); per group the tile's
+// four scales then its four lows, float16.
+inline void int4_tile(const uint8_t* levels, const uint16_t* scale_low, int64_t per_group, const int8_t* x,
+                      const float* dx, const float* sums, int64_t blocks, float* out) {
     const __m256i low4 = _mm256_set1_epi8(0x0F);
     const __m256i ones = _mm256_set1_epi16(1);
-    __m256 first[R], second[R];
-    float offset[R];
-    for (int r = 0; r < R; ++r) {
-        first[r] = second[r] = _mm256_setzero_ps();
-        offset[r] = 0.f;
-    }
+    __m256 first[kTile], second[kTile];
+    for (int c = 0; c < kTile; ++c) first[c] = second[c] = _mm256_setzero_ps();
+    __m128 offset = _mm_setzero_ps();
+    alignas(16) float step0[kTile], step1[kTile];
     for (int64_t b = 0; b < blocks; b += 2) {
-        const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(levels + b * 16));
-        const __m256i low_block = _mm256_and_si256(bytes, low4);
-        const __m256i high_block = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low4);
-        const int64_t g0 = b / per_group, g1 = (b + 1) / per_group;
-        const float s0 = _cvtsh_ss(scale_low[2 * g0]), low0 = _cvtsh_ss(scale_low[2 * g0 + 1]);
-        const float s1 = _cvtsh_ss(scale_low[2 * g1]), low1 = _cvtsh_ss(scale_low[2 * g1 + 1]);
-        for (int r = 0; r < R; ++r) {
-            const int8_t* x = xq + (m + r) * K + b * kBlock;
-            const float* d = dx + (m + r) * blocks + b;
-            const float* sums = xs + (m + r) * blocks + b;
-            const __m256i dot0 = _mm256_madd_epi16(
-                _mm256_maddubs_epi16(low_block, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x))), ones);
-            const __m256i dot1 = _mm256_madd_epi16(
-                _mm256_maddubs_epi16(high_block, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + kBlock))), ones);
-            first[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot0), _mm256_set1_ps(s0 * d[0]), first[r]);
-            second[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot1), _mm256_set1_ps(s1 * d[1]), second[r]);
-            offset[r] += low0 * sums[0] + low1 * sums[1];
+        const uint8_t* tile = levels + b * (kTile * kBlock / 2);
+        _mm_prefetch(reinterpret_cast<const char*>(tile + kAhead), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(tile + kAhead + 64), _MM_HINT_T0);
+        const uint16_t* g0 = scale_low + (b / per_group) * 2 * kTile;
+        const uint16_t* g1 = scale_low + ((b + 1) / per_group) * 2 * kTile;
+        const auto halves = [](const uint16_t* h) {
+            return _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(h)));
+        };
+        // a weight is level × scale + low: the scales meet each block's activation scale, the
+        // lows each block's sum
+        _mm_store_ps(step0, _mm_mul_ps(halves(g0), _mm_set1_ps(dx[b])));
+        _mm_store_ps(step1, _mm_mul_ps(halves(g1), _mm_set1_ps(dx[b + 1])));
+        offset = _mm_add_ps(offset, _mm_fmadd_ps(halves(g0 + kTile), _mm_set1_ps(sums[b]),
+                                                 _mm_mul_ps(halves(g1 + kTile), _mm_set1_ps(sums[b + 1]))));
+        const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + b * kBlock));
+        const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + b * kBlock + kBlock));
+        for (int c = 0; c < kTile; ++c) {
+            const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile + c * kBlock));
+            const __m256i low_block = _mm256_and_si256(bytes, low4);
+            const __m256i high_block = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low4);
+            const __m256i dot0 = _mm256_madd_epi16(_mm256_maddubs_epi16(low_block, x0), ones);
+            const __m256i dot1 = _mm256_madd_epi16(_mm256_maddubs_epi16(high_block, x1), ones);
+            first[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot0), _mm256_broadcast_ss(step0 + c), first[c]);
+            second[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot1), _mm256_broadcast_ss(step1 + c), second[c]);
         }
     }
-    for (int r = 0; r < R; ++r) out[(m + r) * N + n] = horizontal_sum(_mm256_add_ps(first[r], second[r])) + offset[r];
+    __m256 both[kTile];
+    for (int c = 0; c < kTile; ++c) both[c] = _mm256_add_ps(first[c], second[c]);
+    _mm_storeu_ps(out, _mm_add_ps(horizontal_sums(both), offset));
 }
 
-// Output column n of an int8 weight (row `weights`, scale `scale`) for activation rows m ... m + R - 1.
-template <int R>
-inline void int8_rows(const int8_t* weights, float scale, const int8_t* xq, const float* dx, int64_t K,
-                      int64_t blocks, int64_t m, int64_t N, int64_t n, float* out) {
+// Columns 4t ... 4t + 3 of one activation row times an int8 tile (per block of 32 columns 128
+// bytes, 32 a column) with the columns' float scales.
+inline void int8_tile(const int8_t* weights, const float* scale, const int8_t* x, const float* dx, int64_t blocks,
+                      float* out) {
     const __m256i ones = _mm256_set1_epi16(1);
-    __m256 acc[R];
-    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+    __m256 acc[kTile];
+    for (int c = 0; c < kTile; ++c) acc[c] = _mm256_setzero_ps();
     for (int64_t b = 0; b < blocks; ++b) {
-        const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(weights + b * kBlock));
-        for (int r = 0; r < R; ++r) {
-            const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + (m + r) * K + b * kBlock));
+        const int8_t* tile = weights + b * kTile * kBlock;
+        _mm_prefetch(reinterpret_cast<const char*>(tile + kAhead), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(tile + kAhead + 64), _MM_HINT_T0);
+        const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + b * kBlock));
+        const __m256i magnitude = _mm256_sign_epi8(xv, xv);
+        const __m256 d = _mm256_set1_ps(dx[b]);
+        for (int c = 0; c < kTile; ++c) {
+            const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile + c * kBlock));
             // maddubs multiplies unsigned by signed bytes: |x| times w carrying x's sign (w = -128 would
             // flip wrongly: stage 08 keeps int8 weights within ±127)
-            const __m256i dot = _mm256_madd_epi16(
-                _mm256_maddubs_epi16(_mm256_sign_epi8(xv, xv), _mm256_sign_epi8(wv, xv)), ones);
-            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(dx[(m + r) * blocks + b]), acc[r]);
+            const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(wv, xv)), ones);
+            acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), d, acc[c]);
         }
     }
-    for (int r = 0; r < R; ++r) out[(m + r) * N + n] = horizontal_sum(acc[r]) * scale;
+    _mm_storeu_ps(out, _mm_mul_ps(horizontal_sums(acc), _mm_loadu_ps(scale)));
 }
 
 void check_activations(const at::Tensor& x, int64_t K, const char* op) {
@@ -156,25 +180,33 @@ void check_activations(const at::Tensor& x, int64_t K, const char* op) {
     TORCH_CHECK(K % kBlock == 0, op, ": the input width ", K, " is not a multiple of ", kBlock);
 }
 
+// The weight's tiles: output columns in fours (out_features a multiple of 4), rows of a tile
+// interleaved block by block as int_kernels.py's layouts store them.
+void check_tiles(const at::Tensor& q, at::ScalarType type, int64_t width, const char* op, const char* layout) {
+    TORCH_CHECK(q.dim() == 4 && q.size(2) == kTile && q.size(3) == kBlock && q.scalar_type() == type &&
+                    q.is_contiguous(),
+                op, ": q should be contiguous ", type, " tiles (out / 4, in / ", width, ", 4, 32), got ", q.sizes(),
+                " ", q.scalar_type(), ". Fix: make it with int_kernels.", layout);
+}
+
 // x (M, K) float32 times an int4 weight -> (M, N) float32.
-// q (N, K/2) uint8 in the paired layout: byte i of each 32 holds level i of one block of 32 columns
-// in its low four bits and level i of the next block in its high four (levels 0 ... 15).
-// scale_low (N, K/group, 2) float16: per group, w = level * scale + low.
+// q (N/4, K/64, 4, 32) uint8: per tile of four columns and pair of blocks, byte i of a column's
+// 32 holds level i of one block of 32 inputs in its low four bits and level i of the next block
+// in its high four (levels 0 ... 15).
+// scale_low (N/4, K/group, 2, 4) float16: per tile and group, the four columns' scales, then their
+// lows: w = level * scale + low.
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale_low,
                        int64_t group) {
-    TORCH_CHECK(q.dim() == 2, "aie::int4_linear: q should be (out, in / 2), got ", q.sizes());
-    const int64_t N = q.size(0), K = q.size(1) * 2, M = x.size(0);
+    check_tiles(q, at::kByte, 2 * kBlock, "aie::int4_linear", "int4_layout");
+    const int64_t tiles = q.size(0), N = tiles * kTile, K = q.size(1) * 2 * kBlock, M = x.size(0);
     check_activations(x, K, "aie::int4_linear");
     TORCH_CHECK(group > 0 && group % kBlock == 0 && K % group == 0, "aie::int4_linear: groups of ", group,
                 " do not tile ", K, " columns in blocks of ", kBlock);
-    TORCH_CHECK(K % (2 * kBlock) == 0, "aie::int4_linear: the input width ", K, " is not a multiple of ",
-                2 * kBlock, " (the layout pairs blocks of ", kBlock, ")");
     const int64_t G = K / group, per_group = group / kBlock, blocks = K / kBlock;
-    TORCH_CHECK(q.scalar_type() == at::kByte && q.is_contiguous(), "aie::int4_linear: q should be contiguous uint8");
     TORCH_CHECK(scale_low.scalar_type() == at::kHalf && scale_low.is_contiguous() &&
-                    scale_low.sizes() == at::IntArrayRef({N, G, 2}),
-                "aie::int4_linear: scale_low should be contiguous float16 of shape (", N, ", ", G, ", 2), got ",
-                scale_low.sizes(), " ", scale_low.scalar_type(), ". Fix: make it with int_kernels.int4_layout");
+                    scale_low.sizes() == at::IntArrayRef({tiles, G, 2, kTile}),
+                "aie::int4_linear: scale_low should be contiguous float16 of shape (", tiles, ", ", G, ", 2, ", kTile,
+                "), got ", scale_low.sizes(), " ", scale_low.scalar_type(), ". Fix: make it with int_kernels.int4_layout");
 
     std::vector<int8_t> xq(M * K);
     std::vector<float> dx(M * blocks), xs(M * blocks);
@@ -184,26 +216,23 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& q, const at::Tenso
     const uint16_t* sl = reinterpret_cast<const uint16_t*>(scale_low.data_ptr<at::Half>());
     float* out = y.data_ptr<float>();
 
-    at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
-        for (int64_t n = begin; n < end; ++n) {
-            const uint8_t* row = w + n * (K / 2);
-            const uint16_t* pairs = sl + n * G * 2;
-            int64_t m = 0;
-            for (; m + 4 <= M; m += 4)
-                int4_rows<4>(row, pairs, per_group, xq.data(), dx.data(), xs.data(), K, blocks, m, N, n, out);
-            for (; m < M; ++m)
-                int4_rows<1>(row, pairs, per_group, xq.data(), dx.data(), xs.data(), K, blocks, m, N, n, out);
-        }
+    // a thread takes whole tiles; a tile's rows of x follow one another while its bytes are in cache
+    at::parallel_for(0, tiles, 4, [&](int64_t begin, int64_t end) {
+        for (int64_t t = begin; t < end; ++t)
+            for (int64_t m = 0; m < M; ++m)
+                int4_tile(w + t * kTile * K / 2, sl + t * G * 2 * kTile, per_group, xq.data() + m * K,
+                          dx.data() + m * blocks, xs.data() + m * blocks, blocks, out + m * N + t * kTile);
     });
     return y;
 }
 
-// x (M, K) float32 times an int8 weight q (N, K) with one float32 scale per row -> (M, N) float32.
+// x (M, K) float32 times an int8 weight -> (M, N) float32.
+// q (N/4, K/32, 4, 32) int8: per tile of four columns and block of 32 inputs, the columns' 32
+// weights one after another; scale (N,) float32, one a column.
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale) {
-    TORCH_CHECK(q.dim() == 2, "aie::int8_linear: q should be (out, in), got ", q.sizes());
-    const int64_t N = q.size(0), K = q.size(1), M = x.size(0);
+    check_tiles(q, at::kChar, kBlock, "aie::int8_linear", "int8_layout");
+    const int64_t tiles = q.size(0), N = tiles * kTile, K = q.size(1) * kBlock, M = x.size(0);
     check_activations(x, K, "aie::int8_linear");
-    TORCH_CHECK(q.scalar_type() == at::kChar && q.is_contiguous(), "aie::int8_linear: q should be contiguous int8");
     TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.dim() == 1 && scale.numel() == N,
                 "aie::int8_linear: scale should be contiguous float32 of shape (", N, ",)");
     const int64_t blocks = K / kBlock;
@@ -216,12 +245,11 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tenso
     const float* sw = scale.data_ptr<float>();
     float* out = y.data_ptr<float>();
 
-    at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
-        for (int64_t n = begin; n < end; ++n) {
-            int64_t m = 0;
-            for (; m + 4 <= M; m += 4) int8_rows<4>(w + n * K, sw[n], xq.data(), dx.data(), K, blocks, m, N, n, out);
-            for (; m < M; ++m) int8_rows<1>(w + n * K, sw[n], xq.data(), dx.data(), K, blocks, m, N, n, out);
-        }
+    at::parallel_for(0, tiles, 4, [&](int64_t begin, int64_t end) {
+        for (int64_t t = begin; t < end; ++t)
+            for (int64_t m = 0; m < M; ++m)
+                int8_tile(w + t * kTile * K, sw + t * kTile, xq.data() + m * K, dx.data() + m * blocks, blocks,
+                          out + m * N + t * kTile);
     });
     return y;
 }

@@ -36,6 +36,7 @@ from aie_lessons.quantize import INT4_MIN, unpack_int4
 SOURCE = Path(__file__).with_name("int_kernels.cpp")
 BUILD_DIR = CACHE_DIR / "int_kernels"
 BLOCK = 32  # the activations' int8 blocks: an input width must be a multiple of this
+TILE = 4  # the weights' tiles of output rows: an output width must be a multiple of this
 FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"]  # OpenMP: at::parallel_for's threads
 STALE_LOCK_S = 600  # a build takes ~15 s: a lock file this old was left by a killed build
 _lock = threading.Lock()
@@ -83,21 +84,40 @@ def _build() -> None:
 
     @torch.library.register_fake("aie::int4_linear")
     def _(x: torch.Tensor, q: torch.Tensor, scale_low: torch.Tensor, group: int) -> torch.Tensor:
-        torch._check(x.shape[1] == 2 * q.shape[1], lambda: "aie::int4_linear: x's width is not the weight's")
-        return x.new_empty(x.shape[0], q.shape[0], dtype=torch.float32)
+        torch._check(x.shape[1] == q.shape[1] * 2 * BLOCK, lambda: "aie::int4_linear: x's width is not the weight's")
+        return x.new_empty(x.shape[0], q.shape[0] * TILE, dtype=torch.float32)
 
     @torch.library.register_fake("aie::int8_linear")
     def _(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-        torch._check(x.shape[1] == q.shape[1], lambda: "aie::int8_linear: x's width is not the weight's")
-        return x.new_empty(x.shape[0], q.shape[0], dtype=torch.float32)
+        torch._check(x.shape[1] == q.shape[1] * BLOCK, lambda: "aie::int8_linear: x's width is not the weight's")
+        return x.new_empty(x.shape[0], q.shape[0] * TILE, dtype=torch.float32)
 
 
-def fits(bits: int, group_size: int, in_features: int) -> bool:
-    """Whether the kernels take a layer: its input width in whole blocks of 32 (int4: in whole
-    pairs of blocks, as its layout stores them), and int4 groups made of whole blocks."""
+def fits(bits: int, group_size: int, in_features: int, out_features: int) -> bool:
+    """Whether the kernels take a layer: its outputs in whole tiles of 4, its input width in
+    whole blocks of 32 (int4: in whole pairs of blocks, as its layout stores them), and int4
+    groups made of whole blocks."""
+    if out_features % TILE:
+        return False
     if bits == 8:
         return in_features % BLOCK == 0
     return in_features % (2 * BLOCK) == 0 and group_size % BLOCK == 0
+
+
+def tiled(rows: torch.Tensor) -> torch.Tensor:
+    """(out, in) bytes as the kernels read them, (out / 4, in / 32, 4, 32): the four rows of a
+    tile interleaved block by block, so the kernel reads a tile of four outputs as one stream."""
+    out, width = rows.shape
+    if out % TILE or width % BLOCK:
+        raise ValueError(f"a ({out}, {width}) weight does not split into tiles of {TILE} rows and blocks of "
+                         f"{BLOCK} columns: check int_kernels.fits before choosing these kernels")
+    return rows.reshape(out // TILE, TILE, width // BLOCK, BLOCK).transpose(1, 2).contiguous()
+
+
+def int8_layout(q: torch.Tensor) -> torch.Tensor:
+    """Stage 08's int8 weight (out, in) as ``int8_linear`` reads it: ``tiled``. The per-row
+    scales stay as they are."""
+    return tiled(q)
 
 
 def int4_layout(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -106,8 +126,9 @@ def int4_layout(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> tup
     blocks: byte i of each 32 holds level i of one block of 32 columns in its low four bits and
     level i of the next block in its high four — so the kernel unpacks 64 weights with one
     shift and two masks, where stage 08's order (neighbouring columns share a byte) needs the
-    activations reordered and twice the instructions. Per group a float16 (scale, low) pair
-    gives ``w = level × scale + low``.
+    activations reordered and twice the instructions — and the rows are ``tiled``. Per group a
+    float16 (scale, low) pair gives ``w = level × scale + low``; a tile keeps its four rows'
+    scales, then their four lows, so one instruction makes four floats of them.
     float16 keeps the pair at 4 bytes a group (PyTorch's layout stores bf16 pairs, the same
     size) with 3 more bits of precision than bf16; a model's weights lie far inside its range."""
     rows, columns = q.shape[0], q.shape[1] * 2
@@ -115,9 +136,9 @@ def int4_layout(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> tup
         raise ValueError(f"{columns} columns do not split into pairs of blocks of {BLOCK}: "
                          "check int_kernels.fits before choosing these kernels")
     levels = (unpack_int4(q) - INT4_MIN).to(torch.uint8).reshape(rows, columns // (2 * BLOCK), 2, BLOCK)
-    paired = (levels[:, :, 0] | (levels[:, :, 1] << 4)).reshape(rows, columns // 2)
-    low = zero - 8 * scale
-    return paired.contiguous(), torch.stack([scale, low], dim=-1).to(torch.float16).contiguous()
+    paired = tiled((levels[:, :, 0] | (levels[:, :, 1] << 4)).reshape(rows, columns // 2))
+    pairs = torch.stack([scale, zero - 8 * scale], dim=-1).to(torch.float16)  # (rows, groups, 2)
+    return paired, pairs.reshape(rows // TILE, TILE, -1, 2).permute(0, 2, 3, 1).contiguous()
 
 
 def int4_linear(x: torch.Tensor, q: torch.Tensor, scale_low: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -126,5 +147,5 @@ def int4_linear(x: torch.Tensor, q: torch.Tensor, scale_low: torch.Tensor, group
 
 
 def int8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """x (rows, in) float32 times int8 ``q`` (out, in) with a float32 ``scale`` per row -> float32."""
+    """x (rows, in) float32 times an ``int8_layout`` weight with a float32 ``scale`` per row -> float32."""
     return torch.ops.aie.int8_linear(x.float().contiguous(), q, scale.float().contiguous())
