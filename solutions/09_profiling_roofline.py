@@ -1529,7 +1529,9 @@ measure_rung("7. five layers per call", steps_per_second(rung7.tokens(ladder_pro
 # rather than by the bytes they read. So on x86 CPUs the course brings its own (`aie_lessons/infra/int_kernels.cpp`, built with the C++
 # compiler at first use): it rounds the input row to int8 in blocks of 32 — one scale a block,
 # like llama.cpp's Q8_0 — and multiplies 32 weight bytes by 32 input bytes in one AVX2
-# instruction, the weights staying as stage 08 stored them. Rounding the input moves each
+# instruction, with stage 08's integers regrouped so that four output rows are read as one
+# stream (their blocks of 32 interleaved: four independent sums a pass, one stream of bytes).
+# Rounding the input moves each
 # product's outputs a little: each rung-8 cell prints by how much, on the first layer's real
 # inputs, and the check after the ladder says whether the tokens still agree with fp32.
 # Elsewhere (an Arm Mac, no compiler) PyTorch's kernels take the call.
@@ -1537,7 +1539,7 @@ measure_rung("7. five layers per call", steps_per_second(rung7.tokens(ladder_pro
 # `QuantizedFastDecoder` takes a model quantized by stage 08's `quantize_model` — so the prefill
 # runs the same quantized layers — and stacks each group's integers and scales into one kernel
 # matrix (a row's int8 scale, or an int4 group, never spans two layers, so stacking changes no
-# number). Its `matvec` takes and returns fp32 rows (PyTorch's kernels get them rounded to bf16,
+# number), then moves the integers into one block of huge pages, as rung 6 did. Its `matvec` takes and returns fp32 rows (PyTorch's kernels get them rounded to bf16,
 # as stage 08's layers do). The model is loaded in bf16 here, so that the output head, which stays
 # unquantized as in stage 08, reads half fp32's bytes. (Remember stage 08's finding when
 # reading their agreement with fp32: the checkpoint was a 4-bit file with groups of 32, so
@@ -1621,9 +1623,14 @@ def quantized_refusal(model: LlamaModel) -> str | None:
     return next(filter(None, (kernel_refusal(name, layer) for name, layer in layers)), None)
 
 
-def pack_quantized(model: LlamaModel) -> list[Any]:
+def pack_quantized(model: LlamaModel) -> tuple[torch.Tensor | None, list[Any]]:
     """The matrices of ``decode_modules(model)`` for ``quantized_matvec``, per group: one
-    ``KernelMatrix``, a tuple of them (mixed schemes), or a float matrix (nothing quantized)."""
+    ``KernelMatrix``, a tuple of them (mixed schemes), or a float matrix (nothing quantized).
+
+    On the CPU the integer weights are then moved into one block of huge pages, in reading
+    order, each still in its kernel's layout — rung 6's lesson again: fewer TLB misses, and the
+    CPU's prefetchers, which stop at a page's end, run on for 2 MB. Returns the block (None
+    where nothing is quantized or off the CPU) and the matrices."""
     matrices: list[Any] = []
     for group in decode_modules(model):
         quantized = [isinstance(layer, QuantizedLinear) for layer in group]
@@ -1634,7 +1641,19 @@ def pack_quantized(model: LlamaModel) -> list[Any]:
                                   else layer.weight.detach() for layer in group))
         else:
             matrices.append(torch.cat([layer.weight.detach() for layer in group]))
-    return matrices
+    kernels = [m for item in matrices for m in (item if isinstance(item, tuple) else (item,))
+               if isinstance(m, KernelMatrix) and m.weights.device.type == "cpu"]
+    if not kernels:
+        return None, matrices
+    line = 64  # each matrix starts on a cache line
+    starts = [0]
+    for matrix in kernels:
+        starts.append(starts[-1] + -(-matrix.weights.nbytes // line) * line)
+    block = huge_page_empty(starts[-1], torch.uint8)
+    for matrix, start in zip(kernels, starts):
+        weights = block[start:start + matrix.weights.nbytes].view(matrix.weights.dtype).view(matrix.weights.shape)
+        matrix.weights = weights.copy_(matrix.weights)
+    return block, matrices
 
 
 class QuantizedFastDecoder(FastDecoder):
@@ -1645,8 +1664,8 @@ class QuantizedFastDecoder(FastDecoder):
     The kernels exist on the CPU, for int8 and for int4 in groups of 32, 64, 128 or 256 with
     outputs in tiles of 16: anything else is refused here, naming the layer. A group whose
     layers have different schemes (stage 08's ``overrides``) is kept as a tuple of matrices,
-    one kernel call each. The matrices are never packed into one block (``packed`` is False):
-    each keeps the kernel's own layout.
+    one kernel call each. The integer weights lie in one block of huge pages, each matrix in
+    its kernel's own layout (``pack_quantized``), not in ``FastDecoder``'s packed block.
     """
 
     def __init__(self, model: LlamaModel, compile: bool | Compiler = True, layers_per_call: int = 5):
@@ -1660,8 +1679,8 @@ class QuantizedFastDecoder(FastDecoder):
 
     def pack(self, model: LlamaModel) -> list[Any]:
         """Per group: one ``KernelMatrix``, a tuple of them (mixed schemes), or a float matrix."""
-        self.block = None
-        return pack_quantized(model)
+        self.block, matrices = pack_quantized(model)
+        return matrices
 
     matvec = staticmethod(quantized_matvec)
 
@@ -2015,7 +2034,7 @@ class CompiledPagedRunner(PagedModelRunner):
         self.buckets = tuple(sorted(set(buckets)))
         self.quantized = bool(layer_schemes(model))
         if self.quantized:
-            self.block, matrices = None, pack_quantized(model)
+            self.block, matrices = pack_quantized(model)
         else:
             self.block, matrices = pack_weights(model, arithmetic)
         pools = [(self.cache.keys[i].flatten(0, 1), self.cache.values[i].flatten(0, 1)) for i in range(len(model.layers))]

@@ -254,7 +254,7 @@ def test_quantized_weights_run_in_the_compiled_step_as_in_the_batch_1_decoder(ti
     for max_seqs in (1, 4):
         engine = compiled_engine(model, tokenizer, max_seqs=max_seqs, kv_bytes=kv_cache_bytes(model.config, 64, 4, torch.float32),
                                  block_size=BLOCK, compile=compile)
-        assert engine.runner.block is None and engine.runner.quantized
+        assert engine.runner.quantized and engine.runner.block.dtype == torch.uint8  # the integers' block
         results = engine.generate(prompts, params)
         assert [r.token_ids for r in results] == expected, f"max_seqs={max_seqs}"
 

@@ -372,6 +372,11 @@ def test_quantized_decoder_stacks_a_group_of_one_scheme_and_keeps_mixed_groups_a
     assert isinstance(second.qkv, KernelMatrix) and second.qkv.scheme.name == "int4-g32"
     assert second.qkv.kernel == ("aie" if int_kernels.unavailable() is None else "pytorch")  # ours where it runs
     assert isinstance(decoder.head, torch.Tensor)  # the head was not quantized: a float matrix
+    # every matrix's integers lie in the one block, none over another
+    kernels = [*first.qkv, *(m for layer in decoder.layers for m in layer.tensors()[:4] if isinstance(m, KernelMatrix))]
+    spans = sorted((m.weights.data_ptr(), m.weights.data_ptr() + m.weights.nbytes) for m in kernels)
+    start, end = decoder.block.data_ptr(), decoder.block.data_ptr() + decoder.block.nbytes
+    assert all(start <= a < b <= end for a, b in spans) and all(b <= c for (_, b), (c, _) in zip(spans, spans[1:]))
     tokenizer = Tokenizer.from_pretrained(tiny_untied_dir)
     assert len(decoder.generate(tokenizer, prompts(tokenizer)[0], PARAMS).token_ids) == PARAMS.max_new_tokens
 

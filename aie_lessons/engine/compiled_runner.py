@@ -167,7 +167,7 @@ class CompiledPagedRunner(PagedModelRunner):
         self.buckets = tuple(sorted(set(buckets)))
         self.quantized = bool(layer_schemes(model))
         if self.quantized:
-            self.block, matrices = None, pack_quantized(model)
+            self.block, matrices = pack_quantized(model)
         else:
             self.block, matrices = pack_weights(model, arithmetic)
         pools = [(self.cache.keys[i].flatten(0, 1), self.cache.values[i].flatten(0, 1)) for i in range(len(model.layers))]
