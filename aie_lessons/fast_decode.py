@@ -391,7 +391,7 @@ class FastDecoder:
 
         Packed, they are views of one block, kept as ``self.block``; otherwise each group is
         stacked into a matrix of its own and ``self.block`` is None. An override stores its
-        matrices however its ``matvec`` wants.
+        matrices however its ``matvec`` wants (``QuantizedFastDecoder``: its integers' block).
         """
         if not self.packed:
             self.block = None
@@ -606,8 +606,8 @@ def pack_quantized(model: LlamaModel) -> tuple[torch.Tensor | None, list[Any]]:
 
     On the CPU the integer weights are then moved into one block of huge pages, in reading
     order, each still in its kernel's layout — rung 6's lesson again: fewer TLB misses, and the
-    CPU's prefetchers, which stop at a page's end, run on for 2 MB. Returns the block (None
-    where nothing is quantized or off the CPU) and the matrices."""
+    CPU's prefetchers, which stop at a page's end, run on for 2 MB. Returns the block (None where the
+    course's kernels read nothing, or the system has no huge pages) and the matrices."""
     matrices: list[Any] = []
     for group in decode_modules(model):
         quantized = [isinstance(layer, QuantizedLinear) for layer in group]
@@ -618,9 +618,12 @@ def pack_quantized(model: LlamaModel) -> tuple[torch.Tensor | None, list[Any]]:
                                   else layer.weight.detach() for layer in group))
         else:
             matrices.append(torch.cat([layer.weight.detach() for layer in group]))
+    # Only the matrices made for the course's kernels: they are the decoder's own copies, where a
+    # lone PyTorch-kernel layer lends the layer's tensors, which a move would duplicate. Without
+    # huge pages (macOS, Windows) a move would buy nothing.
     kernels = [m for item in matrices for m in (item if isinstance(item, tuple) else (item,))
-               if isinstance(m, KernelMatrix) and m.weights.device.type == "cpu"]
-    if not kernels:
+               if isinstance(m, KernelMatrix) and m.kernel == "aie"]
+    if not kernels or not hasattr(mmap, "MADV_HUGEPAGE"):
         return None, matrices
     line = 64  # each matrix starts on a cache line
     starts = [0]
@@ -638,8 +641,9 @@ class QuantizedFastDecoder(FastDecoder):
     integer kernels (or PyTorch's, where those cannot run) inside the compiled step, float
     layers (an unquantized head) as before.
 
-    The kernels exist on the CPU, for int8 and for int4 in groups of 32, 64, 128 or 256 with
-    outputs in tiles of 16: anything else is refused here, naming the layer. A group whose
+    PyTorch's kernels exist on the CPU, for int8 and for int4 in groups of 32, 64, 128 or 256
+    with outputs in tiles of 16: anything neither they nor the course's kernels take is refused
+    here, naming the layer. A group whose
     layers have different schemes (stage 08's ``overrides``) is kept as a tuple of matrices,
     one kernel call each. The integer weights lie in one block of huge pages, each matrix in
     its kernel's own layout (``pack_quantized``), not in ``FastDecoder``'s packed block.

@@ -1276,7 +1276,7 @@ class FastDecoder:
 
         Packed, they are views of one block, kept as ``self.block``; otherwise each group is
         stacked into a matrix of its own and ``self.block`` is None. An override stores its
-        matrices however its ``matvec`` wants.
+        matrices however its ``matvec`` wants (``QuantizedFastDecoder``: its integers' block).
         """
         if not self.packed:
             self.block = None
@@ -1526,21 +1526,22 @@ measure_rung("7. five layers per call", steps_per_second(rung7.tokens(ladder_pro
 # weights with a scale per row, or by int4 weights in its own tiled layout with a scale and a
 # zero per group — the layout `QuantizedLinear.kernel_weights` makes. Without AVX-512 they turn
 # each weight into a float before multiplying, which makes them limited by that arithmetic
-# rather than by the bytes they read. So on x86 CPUs the course brings its own (`aie_lessons/infra/int_kernels.cpp`, built with the C++
-# compiler at first use): it rounds the input row to int8 in blocks of 32 — one scale a block,
-# like llama.cpp's Q8_0 — and multiplies 32 weight bytes by 32 input bytes in one AVX2
-# instruction, with stage 08's integers regrouped so that four output rows are read as one
-# stream (their blocks of 32 interleaved: four independent sums a pass, one stream of bytes).
-# Rounding the input moves each
-# product's outputs a little: each rung-8 cell prints by how much, on the first layer's real
-# inputs, and the check after the ladder says whether the tokens still agree with fp32.
+# rather than by the bytes they read. So on x86 CPUs the course brings its own
+# (`aie_lessons/infra/int_kernels.cpp`, built with the C++ compiler at first use): it rounds the
+# input row to int8 in blocks of 32 — one scale a block, like llama.cpp's Q8_0 — and multiplies
+# 32 weight bytes by 32 input bytes in one AVX2 instruction, with stage 08's integers regrouped
+# so that four weight rows are read as one stream (their blocks of 32 interleaved: four
+# independent sums a pass over one run of bytes). Rounding the input moves each product's
+# outputs a little: each rung-8 cell prints by how much, on the first layer's real inputs, and
+# the check after the ladder says whether the tokens still agree with fp32.
 # Elsewhere (an Arm Mac, no compiler) PyTorch's kernels take the call.
 #
 # `QuantizedFastDecoder` takes a model quantized by stage 08's `quantize_model` — so the prefill
 # runs the same quantized layers — and stacks each group's integers and scales into one kernel
 # matrix (a row's int8 scale, or an int4 group, never spans two layers, so stacking changes no
-# number), then moves the integers into one block of huge pages, as rung 6 did. Its `matvec` takes and returns fp32 rows (PyTorch's kernels get them rounded to bf16,
-# as stage 08's layers do). The model is loaded in bf16 here, so that the output head, which stays
+# number), then moves the integers into one block of huge pages, as rung 6 did. Its `matvec`
+# takes and returns fp32 rows (PyTorch's kernels get them rounded to bf16, as stage 08's layers
+# do). The model is loaded in bf16 here, so that the output head, which stays
 # unquantized as in stage 08, reads half fp32's bytes. (Remember stage 08's finding when
 # reading their agreement with fp32: the checkpoint was a 4-bit file with groups of 32, so
 # int4-g32 finds its grid exactly, and int8, one scale per row, cannot.)
@@ -1629,8 +1630,8 @@ def pack_quantized(model: LlamaModel) -> tuple[torch.Tensor | None, list[Any]]:
 
     On the CPU the integer weights are then moved into one block of huge pages, in reading
     order, each still in its kernel's layout — rung 6's lesson again: fewer TLB misses, and the
-    CPU's prefetchers, which stop at a page's end, run on for 2 MB. Returns the block (None
-    where nothing is quantized or off the CPU) and the matrices."""
+    CPU's prefetchers, which stop at a page's end, run on for 2 MB. Returns the block (None where the
+    course's kernels read nothing, or the system has no huge pages) and the matrices."""
     matrices: list[Any] = []
     for group in decode_modules(model):
         quantized = [isinstance(layer, QuantizedLinear) for layer in group]
@@ -1641,9 +1642,12 @@ def pack_quantized(model: LlamaModel) -> tuple[torch.Tensor | None, list[Any]]:
                                   else layer.weight.detach() for layer in group))
         else:
             matrices.append(torch.cat([layer.weight.detach() for layer in group]))
+    # Only the matrices made for the course's kernels: they are the decoder's own copies, where a
+    # lone PyTorch-kernel layer lends the layer's tensors, which a move would duplicate. Without
+    # huge pages (macOS, Windows) a move would buy nothing.
     kernels = [m for item in matrices for m in (item if isinstance(item, tuple) else (item,))
-               if isinstance(m, KernelMatrix) and m.weights.device.type == "cpu"]
-    if not kernels:
+               if isinstance(m, KernelMatrix) and m.kernel == "aie"]
+    if not kernels or not hasattr(mmap, "MADV_HUGEPAGE"):
         return None, matrices
     line = 64  # each matrix starts on a cache line
     starts = [0]
@@ -1661,8 +1665,9 @@ class QuantizedFastDecoder(FastDecoder):
     integer kernels (or PyTorch's, where those cannot run) inside the compiled step, float
     layers (an unquantized head) as before.
 
-    The kernels exist on the CPU, for int8 and for int4 in groups of 32, 64, 128 or 256 with
-    outputs in tiles of 16: anything else is refused here, naming the layer. A group whose
+    PyTorch's kernels exist on the CPU, for int8 and for int4 in groups of 32, 64, 128 or 256
+    with outputs in tiles of 16: anything neither they nor the course's kernels take is refused
+    here, naming the layer. A group whose
     layers have different schemes (stage 08's ``overrides``) is kept as a tuple of matrices,
     one kernel call each. The integer weights lie in one block of huge pages, each matrix in
     its kernel's own layout (``pack_quantized``), not in ``FastDecoder``'s packed block.
@@ -2004,8 +2009,9 @@ class CompiledPagedRunner(PagedModelRunner):
     larger one by ``linear``. Activations fp32; weights fp32 or bf16, copied into one packed
     block, so the model is not changed — in ``arithmetic``, the dtype the batched products are
     computed in (default: the weights'; fp32 for bf16 weights on a CPU whose bf16 products are
-    slow, at twice the bytes) — or stage 08's int8 / int4 weights, read by PyTorch's CPU
-    kernels as ``QuantizedFastDecoder`` reads them. ``compile`` is ``FastDecoder``'s option:
+    slow, at twice the bytes) — or stage 08's int8 / int4 weights, read by the course's integer
+    kernels (PyTorch's where those cannot run) as ``QuantizedFastDecoder`` reads them, their
+    integers in a block of their own (``pack_quantized``). ``compile`` is ``FastDecoder``'s option:
     ``torch.compile``, False, or another compiler (``step_compiler``).
     """
 

@@ -25,6 +25,7 @@ from aie_lessons.model import AttentionMetadata, LlamaModel, apply_rope, rope_co
 from aie_lessons.tokenizer import Tokenizer
 
 from low_precision import assert_greedy_agrees, int8_input_tolerance
+from weight_block import assert_in_one_block
 
 PARAMS = SamplingParams(max_new_tokens=12, ignore_eos=True)
 
@@ -372,13 +373,21 @@ def test_quantized_decoder_stacks_a_group_of_one_scheme_and_keeps_mixed_groups_a
     assert isinstance(second.qkv, KernelMatrix) and second.qkv.scheme.name == "int4-g32"
     assert second.qkv.kernel == ("aie" if int_kernels.unavailable() is None else "pytorch")  # ours where it runs
     assert isinstance(decoder.head, torch.Tensor)  # the head was not quantized: a float matrix
-    # every matrix's integers lie in the one block, none over another
-    kernels = [*first.qkv, *(m for layer in decoder.layers for m in layer.tensors()[:4] if isinstance(m, KernelMatrix))]
-    spans = sorted((m.weights.data_ptr(), m.weights.data_ptr() + m.weights.nbytes) for m in kernels)
-    start, end = decoder.block.data_ptr(), decoder.block.data_ptr() + decoder.block.nbytes
-    assert all(start <= a < b <= end for a, b in spans) and all(b <= c for (_, b), (c, _) in zip(spans, spans[1:]))
+    if int_kernels.unavailable() is None:
+        assert_in_one_block(decoder.block, [m for layer in decoder.layers for m in layer.tensors()[:4]])
     tokenizer = Tokenizer.from_pretrained(tiny_untied_dir)
     assert len(decoder.generate(tokenizer, prompts(tokenizer)[0], PARAMS).token_ids) == PARAMS.max_new_tokens
+
+
+def test_a_layer_the_kernels_cannot_tile_keeps_pytorchs_kernel():
+    """The course's kernels take outputs in tiles of four: a layer of 6 does not fit them alone,
+    and keeps PyTorch's kernel; two of them stacked (12 outputs) do."""
+    from aie_lessons.fast_decode import kernel_matrix
+    from aie_lessons.quantize import QuantizedLinear, scheme_named
+
+    six = [QuantizedLinear.quantize(torch.randn(6, 64), scheme_named("int8")) for _ in range(2)]
+    assert kernel_matrix(six[:1]).kernel == "pytorch"
+    assert kernel_matrix(six).kernel == ("aie" if int_kernels.unavailable() is None else "pytorch")
 
 
 def test_quantized_decoder_refuses_what_the_kernels_cannot_read(tiny_untied_dir):

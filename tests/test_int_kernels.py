@@ -47,7 +47,7 @@ def int4_model(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, zero: torc
 
 
 @pytest.mark.parametrize("rows", [1, 3, 4, 9])
-@pytest.mark.parametrize("out_features,in_features,group", [(40, 64, 32), (96, 256, 64), (36, 384, 128)])
+@pytest.mark.parametrize("out_features,in_features,group", [(40, 64, 32), (96, 256, 64), (36, 384, 128), (8, 512, 256)])
 def test_int4_linear_computes_its_arithmetic_and_stays_near_the_float_product(rows, out_features, in_features, group):
     torch.manual_seed(rows * 1000 + out_features)
     weight = torch.randn(out_features, in_features) * 0.05
@@ -78,9 +78,9 @@ def test_int8_linear_computes_its_arithmetic_and_stays_near_the_float_product(ro
 
 @pytest.mark.parametrize("bits", [4, 8])
 def test_a_row_gets_the_same_bits_alone_or_in_any_batch(bits):
-    """The kernels take rows four at a time and the rest one by one: a request's outputs must not
-    depend on which, or a batch's size would change its tokens (the next layer's int8 rounding
-    can turn a last-bit difference into a whole step)."""
+    """A request's outputs must not depend on the rows beside it (each row is its own sums over a
+    tile, whatever the batch), or a batch's size would change its tokens: the next layer's int8
+    rounding can turn a last-bit difference into a whole step."""
     torch.manual_seed(bits)
     weight = torch.randn(24, 128)
     x = torch.randn(9, 128)
@@ -93,6 +93,26 @@ def test_a_row_gets_the_same_bits_alone_or_in_any_batch(bits):
     alone = torch.cat([product(x[i:i + 1]) for i in range(9)])
     for rows in range(1, 10):
         assert torch.equal(product(x[:rows]), alone[:rows]), rows
+
+
+def test_the_layouts_put_each_weight_where_the_kernels_read_it():
+    """Row 4t + c, column 32b + i of a weight is byte (t, b, c, i) of its tiles; in int4, level i
+    of blocks 2p and 2p + 1 share byte i of pair p (low nibble first), and a tile's group holds
+    its rows' scales, then their lows (low = zero - 8 · scale: levels are stage 08's plus 8)."""
+    torch.manual_seed(2)
+    rows = torch.randint(-127, 128, (8, 96), dtype=torch.int8)
+    tiles = int_kernels.int8_layout(rows)
+    t, b, c, i = torch.meshgrid(*(torch.arange(n) for n in tiles.shape), indexing="ij")
+    assert torch.equal(tiles, rows[4 * t + c, 32 * b + i])
+    q, scale, zero = quantize_int4(torch.randn(8, 128), 32)
+    levels, scale_low = int_kernels.int4_layout(q, scale, zero)
+    expected = (unpack_int4(q) + 8).reshape(2, 4, 2, 2, 32).transpose(1, 2)  # (tile, pair, row, block of pair, i)
+    assert torch.equal(levels & 0x0F, expected[:, :, :, 0].to(torch.uint8))
+    assert torch.equal(levels >> 4, expected[:, :, :, 1].to(torch.uint8))
+    assert torch.equal(scale_low[:, :, 0], scale.half().reshape(2, 4, 4).transpose(1, 2))
+    assert torch.equal(scale_low[:, :, 1], (zero - 8 * scale).half().reshape(2, 4, 4).transpose(1, 2))
+    with pytest.raises(ValueError, match=r"\(6, 128\) int4 weight does not split into tiles of 4 rows"):
+        int_kernels.int4_layout(*quantize_int4(torch.randn(6, 128), 32))
 
 
 def test_a_nan_input_gives_nan_outputs():

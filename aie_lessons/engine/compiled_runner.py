@@ -137,8 +137,9 @@ class CompiledPagedRunner(PagedModelRunner):
     larger one by ``linear``. Activations fp32; weights fp32 or bf16, copied into one packed
     block, so the model is not changed — in ``arithmetic``, the dtype the batched products are
     computed in (default: the weights'; fp32 for bf16 weights on a CPU whose bf16 products are
-    slow, at twice the bytes) — or stage 08's int8 / int4 weights, read by PyTorch's CPU
-    kernels as ``QuantizedFastDecoder`` reads them. ``compile`` is ``FastDecoder``'s option:
+    slow, at twice the bytes) — or stage 08's int8 / int4 weights, read by the course's integer
+    kernels (PyTorch's where those cannot run) as ``QuantizedFastDecoder`` reads them, their
+    integers in a block of their own (``pack_quantized``). ``compile`` is ``FastDecoder``'s option:
     ``torch.compile``, False, or another compiler (``step_compiler``).
     """
 

@@ -4,7 +4,8 @@
 // Both products quantize the activations to int8 in blocks of 32 (one float scale a block) and
 // multiply integers: _mm256_maddubs_epi16 takes 32 unsigned-by-signed byte products in one
 // instruction, so a weight costs a fraction of an instruction instead of a load, a conversion and
-// a fused multiply-add in float. The weights stay in memory as they are stored (4 or 8 bits).
+// a fused multiply-add in float. The weights stay at 4 or 8 bits, in tiles of four rows
+// (int_kernels.py's layouts).
 //
 // Built with -fopenmp: at::parallel_for's parallel region is inlined from PyTorch's headers. The
 // library then links libgomp.so.1 by name, which resolves to the copy PyTorch loaded: one runtime.
@@ -95,7 +96,16 @@ inline __m128 horizontal_sums(const __m256 v[kTile]) {
 // hardware's prefetchers alone left a step's products at half the memory's speed on a Zen 3.
 constexpr int64_t kAhead = 2048;
 
-// Why tiles of four output columns: one weight row at batch 1 is a few hundred bytes, and a row
+// Asks for the two cache lines kAhead bytes past `at`. A hint, never a load: near a weight's end
+// the address lies past it, so it is made as an integer rather than as a pointer into the weight.
+inline void prefetch_ahead(const void* at) {
+    const uintptr_t ahead = reinterpret_cast<uintptr_t>(at) + kAhead;
+    _mm_prefetch(reinterpret_cast<const char*>(ahead), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(ahead + 64), _MM_HINT_T0);
+}
+
+// Why tiles of four output columns (four rows of the weight): one weight row at batch 1 is a few
+// hundred bytes, and a row
 // at a time keeps one chain of fused multiply-adds waiting on itself. Four columns make four
 // independent chains, share each block of activations (loaded, its signs taken) between them,
 // and end in one horizontal sum of four. The tile's blocks are interleaved in memory
@@ -117,8 +127,7 @@ inline void int4_tile(const uint8_t* levels, const uint16_t* scale_low, int64_t 
     alignas(16) float step0[kTile], step1[kTile];
     for (int64_t b = 0; b < blocks; b += 2) {
         const uint8_t* tile = levels + b * (kTile * kBlock / 2);
-        _mm_prefetch(reinterpret_cast<const char*>(tile + kAhead), _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char*>(tile + kAhead + 64), _MM_HINT_T0);
+        prefetch_ahead(tile);
         const uint16_t* g0 = scale_low + (b / per_group) * 2 * kTile;
         const uint16_t* g1 = scale_low + ((b + 1) / per_group) * 2 * kTile;
         const auto halves = [](const uint16_t* h) {
@@ -156,8 +165,7 @@ inline void int8_tile(const int8_t* weights, const float* scale, const int8_t* x
     for (int c = 0; c < kTile; ++c) acc[c] = _mm256_setzero_ps();
     for (int64_t b = 0; b < blocks; ++b) {
         const int8_t* tile = weights + b * kTile * kBlock;
-        _mm_prefetch(reinterpret_cast<const char*>(tile + kAhead), _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char*>(tile + kAhead + 64), _MM_HINT_T0);
+        prefetch_ahead(tile);
         const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + b * kBlock));
         const __m256i magnitude = _mm256_sign_epi8(xv, xv);
         const __m256 d = _mm256_set1_ps(dx[b]);
@@ -182,11 +190,12 @@ void check_activations(const at::Tensor& x, int64_t K, const char* op) {
 
 // The weight's tiles: output columns in fours (out_features a multiple of 4), rows of a tile
 // interleaved block by block as int_kernels.py's layouts store them.
-void check_tiles(const at::Tensor& q, at::ScalarType type, int64_t width, const char* op, const char* layout) {
+void check_tiles(const at::Tensor& q, at::ScalarType type, const char* type_name, int64_t width, const char* op,
+                 const char* layout) {
     TORCH_CHECK(q.dim() == 4 && q.size(2) == kTile && q.size(3) == kBlock && q.scalar_type() == type &&
                     q.is_contiguous(),
-                op, ": q should be contiguous ", type, " tiles (out / 4, in / ", width, ", 4, 32), got ", q.sizes(),
-                " ", q.scalar_type(), ". Fix: make it with int_kernels.", layout);
+                op, ": q should be contiguous ", type_name, " tiles (out / 4, in / ", width, ", 4, 32), got ",
+                q.sizes(), " ", q.scalar_type(), ". Fix: make it with int_kernels.", layout);
 }
 
 // x (M, K) float32 times an int4 weight -> (M, N) float32.
@@ -197,7 +206,7 @@ void check_tiles(const at::Tensor& q, at::ScalarType type, int64_t width, const 
 // lows: w = level * scale + low.
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale_low,
                        int64_t group) {
-    check_tiles(q, at::kByte, 2 * kBlock, "aie::int4_linear", "int4_layout");
+    check_tiles(q, at::kByte, "uint8", 2 * kBlock, "aie::int4_linear", "int4_layout");
     const int64_t tiles = q.size(0), N = tiles * kTile, K = q.size(1) * 2 * kBlock, M = x.size(0);
     check_activations(x, K, "aie::int4_linear");
     TORCH_CHECK(group > 0 && group % kBlock == 0 && K % group == 0, "aie::int4_linear: groups of ", group,
@@ -230,11 +239,12 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& q, const at::Tenso
 // q (N/4, K/32, 4, 32) int8: per tile of four columns and block of 32 inputs, the columns' 32
 // weights one after another; scale (N,) float32, one a column.
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale) {
-    check_tiles(q, at::kChar, kBlock, "aie::int8_linear", "int8_layout");
+    check_tiles(q, at::kChar, "int8", kBlock, "aie::int8_linear", "int8_layout");
     const int64_t tiles = q.size(0), N = tiles * kTile, K = q.size(1) * kBlock, M = x.size(0);
     check_activations(x, K, "aie::int8_linear");
     TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.dim() == 1 && scale.numel() == N,
-                "aie::int8_linear: scale should be contiguous float32 of shape (", N, ",)");
+                "aie::int8_linear: scale should be contiguous float32 of shape (", N, ",), one a weight row, got ",
+                scale.sizes(), " ", scale.scalar_type(), ". Fix: stage 08's quantize_int8 scale, .float().contiguous()");
     const int64_t blocks = K / kBlock;
 
     std::vector<int8_t> xq(M * K);

@@ -10,6 +10,15 @@ instruction multiplies 32 weight bytes by 32 activation bytes. That rounding add
 about 1 % of a product's largest output to the weights' own (tests bound it); in exchange int4
 and int8 steps read their bytes at close to the memory's speed.
 
+The weights are regrouped once, when a decoder is built (``int8_layout``, ``int4_layout``): four
+rows of a weight make a tile whose blocks of 32 columns are interleaved, so the kernel keeps four
+independent sums going for each input row while it reads one run of bytes front to back (a row
+at a time, each sum waited for the one before it; four rows read side by side in stage 08's
+order ran slower still). On the same Zen 3 that took a step's int8 weights from about half the
+measured read bandwidth to about three quarters, int4 from a third (``benchmarks/int_kernels.py``).
+A layer whose outputs are not whole tiles of four, or whose width is not whole blocks, does not
+``fit`` and keeps PyTorch's kernel.
+
 The products are C++ registered as PyTorch operators (``torch.ops.aie.int4_linear`` and
 ``int8_linear``), built with the machine's C++ compiler at first use and kept in
 ``data/cache/int_kernels``. Registered operators with a fake (shape-only) implementation go
@@ -132,9 +141,9 @@ def int4_layout(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> tup
     float16 keeps the pair at 4 bytes a group (PyTorch's layout stores bf16 pairs, the same
     size) with 3 more bits of precision than bf16; a model's weights lie far inside its range."""
     rows, columns = q.shape[0], q.shape[1] * 2
-    if columns % (2 * BLOCK):
-        raise ValueError(f"{columns} columns do not split into pairs of blocks of {BLOCK}: "
-                         "check int_kernels.fits before choosing these kernels")
+    if columns % (2 * BLOCK) or rows % TILE:
+        raise ValueError(f"a ({rows}, {columns}) int4 weight does not split into tiles of {TILE} rows and pairs of "
+                         f"blocks of {BLOCK} columns: check int_kernels.fits before choosing these kernels")
     levels = (unpack_int4(q) - INT4_MIN).to(torch.uint8).reshape(rows, columns // (2 * BLOCK), 2, BLOCK)
     paired = tiled((levels[:, :, 0] | (levels[:, :, 1] << 4)).reshape(rows, columns // 2))
     pairs = torch.stack([scale, zero - 8 * scale], dim=-1).to(torch.float16)  # (rows, groups, 2)
