@@ -187,9 +187,10 @@ def test_compiled_ahead_the_step_gives_the_eager_logits(tiny_untied_dir, dtype, 
 
 @pytest.mark.slow
 def test_quantized_weights_compile_ahead_through_the_kernels(tiny_dir, tmp_path):
-    """int4-g32 integers and their scales travel as inputs; the scheme is compiled in. Into an
-    empty folder: the integer kernels' operator inside a package is compiled in every test run."""
-    model = quantize_model(LlamaModel.from_pretrained(tiny_dir), "int4-g32")
+    """int8 integers in the blocks and an int4-g32 head, with their scales, travel as inputs (the
+    block's views among them); the schemes are compiled in. Into an empty folder: both integer
+    kernels' operators inside a package are compiled in every test run."""
+    model = quantize_model(LlamaModel.from_pretrained(tiny_dir), "int8", head="int4-g32")
     eager_decoder = QuantizedFastDecoder(model, compile=False)
     eager = eager_decoder.forced_logits(IDS[:5], IDS[5:])
     compiler = AheadOfTime(tmp_path)
