@@ -555,7 +555,7 @@ def kernel_matrix(group: list[QuantizedLinear]) -> KernelMatrix:
     if not ours:
         return KernelMatrix(*kernel_layout(q, scale, zero, scheme), scheme)
     if scheme.bits == 8:
-        return KernelMatrix(int_kernels.int8_layout(q), scale, scheme, "aie")
+        return KernelMatrix(int_kernels.tiled(q), scale, scheme, "aie")
     return KernelMatrix(*int_kernels.int4_layout(q, scale, zero), scheme, "aie")
 
 
@@ -606,8 +606,9 @@ def pack_quantized(model: LlamaModel) -> tuple[torch.Tensor | None, list[Any]]:
 
     On the CPU the integer weights are then moved into one block of huge pages, in reading
     order, each still in its kernel's layout — rung 6's lesson again: fewer TLB misses, and the
-    CPU's prefetchers, which stop at a page's end, run on for 2 MB. Returns the block (None where the
-    course's kernels read nothing, or the system has no huge pages) and the matrices."""
+    CPU's prefetchers, which stop at a page's end, run on for 2 MB. Returns the block (None
+    where the course's kernels read nothing, or the system has no huge pages) and the
+    matrices."""
     matrices: list[Any] = []
     for group in decode_modules(model):
         quantized = [isinstance(layer, QuantizedLinear) for layer in group]
@@ -643,10 +644,10 @@ class QuantizedFastDecoder(FastDecoder):
 
     PyTorch's kernels exist on the CPU, for int8 and for int4 in groups of 32, 64, 128 or 256
     with outputs in tiles of 16: anything neither they nor the course's kernels take is refused
-    here, naming the layer. A group whose
-    layers have different schemes (stage 08's ``overrides``) is kept as a tuple of matrices,
-    one kernel call each. The integer weights lie in one block of huge pages, each matrix in
-    its kernel's own layout (``pack_quantized``), not in ``FastDecoder``'s packed block.
+    here, naming the layer. A group whose layers have different schemes (stage 08's
+    ``overrides``) is kept as a tuple of matrices, one kernel call each. The course kernels'
+    integers lie in one block of huge pages where the system has them, each matrix in its
+    kernel's own layout (``pack_quantized``), not in ``FastDecoder``'s packed block.
     """
 
     def __init__(self, model: LlamaModel, compile: bool | Compiler = True, layers_per_call: int = 5):

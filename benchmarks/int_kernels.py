@@ -52,7 +52,7 @@ def main() -> None:
         scheme = scheme_named(name)
         groups = block_groups(quantize_model(LlamaModel.from_pretrained(default_model_dir(), dtype=torch.bfloat16), scheme))
         if scheme.bits == 8:
-            ours = [(int_kernels.int8_layout(q), scale) for q, scale, _ in groups]
+            ours = [(int_kernels.tiled(q), scale) for q, scale, _ in groups]
             aie = lambda xs: [int_kernels.int8_linear(x, q, s) for x, (q, s) in zip(xs, ours)]  # noqa: E731
         else:
             ours = [int_kernels.int4_layout(*group) for group in groups]

@@ -1541,8 +1541,8 @@ measure_rung("7. five layers per call", steps_per_second(rung7.tokens(ladder_pro
 # matrix (a row's int8 scale, or an int4 group, never spans two layers, so stacking changes no
 # number), then moves the integers into one block of huge pages, as rung 6 did. Its `matvec`
 # takes and returns fp32 rows (PyTorch's kernels get them rounded to bf16, as stage 08's layers
-# do). The model is loaded in bf16 here, so that the output head, which stays
-# unquantized as in stage 08, reads half fp32's bytes. (Remember stage 08's finding when
+# do). The model is loaded in bf16 here, so that the output head, which stays unquantized as in
+# stage 08, reads half fp32's bytes. (Remember stage 08's finding when
 # reading their agreement with fp32: the checkpoint was a 4-bit file with groups of 32, so
 # int4-g32 finds its grid exactly, and int8, one scale per row, cannot.)
 
@@ -1579,7 +1579,7 @@ def kernel_matrix(group: list[QuantizedLinear]) -> KernelMatrix:
     if not ours:
         return KernelMatrix(*kernel_layout(q, scale, zero, scheme), scheme)
     if scheme.bits == 8:
-        return KernelMatrix(int_kernels.int8_layout(q), scale, scheme, "aie")
+        return KernelMatrix(int_kernels.tiled(q), scale, scheme, "aie")
     return KernelMatrix(*int_kernels.int4_layout(q, scale, zero), scheme, "aie")
 
 
@@ -1630,8 +1630,9 @@ def pack_quantized(model: LlamaModel) -> tuple[torch.Tensor | None, list[Any]]:
 
     On the CPU the integer weights are then moved into one block of huge pages, in reading
     order, each still in its kernel's layout — rung 6's lesson again: fewer TLB misses, and the
-    CPU's prefetchers, which stop at a page's end, run on for 2 MB. Returns the block (None where the
-    course's kernels read nothing, or the system has no huge pages) and the matrices."""
+    CPU's prefetchers, which stop at a page's end, run on for 2 MB. Returns the block (None
+    where the course's kernels read nothing, or the system has no huge pages) and the
+    matrices."""
     matrices: list[Any] = []
     for group in decode_modules(model):
         quantized = [isinstance(layer, QuantizedLinear) for layer in group]
@@ -1667,10 +1668,10 @@ class QuantizedFastDecoder(FastDecoder):
 
     PyTorch's kernels exist on the CPU, for int8 and for int4 in groups of 32, 64, 128 or 256
     with outputs in tiles of 16: anything neither they nor the course's kernels take is refused
-    here, naming the layer. A group whose
-    layers have different schemes (stage 08's ``overrides``) is kept as a tuple of matrices,
-    one kernel call each. The integer weights lie in one block of huge pages, each matrix in
-    its kernel's own layout (``pack_quantized``), not in ``FastDecoder``'s packed block.
+    here, naming the layer. A group whose layers have different schemes (stage 08's
+    ``overrides``) is kept as a tuple of matrices, one kernel call each. The course kernels'
+    integers lie in one block of huge pages where the system has them, each matrix in its
+    kernel's own layout (``pack_quantized``), not in ``FastDecoder``'s packed block.
     """
 
     def __init__(self, model: LlamaModel, compile: bool | Compiler = True, layers_per_call: int = 5):

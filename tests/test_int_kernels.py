@@ -69,7 +69,7 @@ def test_int8_linear_computes_its_arithmetic_and_stays_near_the_float_product(ro
     x = torch.randn(rows, in_features) * 3
     x[0, :32] = 0  # a block of zeros: scale 0, no division by it
     q, scale = quantize_int8(weight)
-    got = int_kernels.int8_linear(x, int_kernels.int8_layout(q), scale)
+    got = int_kernels.int8_linear(x, int_kernels.tiled(q), scale)
     rounded, _ = rounded_activations(x)
     torch.testing.assert_close(got, (rounded @ q.double().T * scale.double()).float(), rtol=1e-4, atol=1e-4)
     exact = x @ dequantize_int8(q, scale).T
@@ -89,7 +89,7 @@ def test_a_row_gets_the_same_bits_alone_or_in_any_batch(bits):
         product = lambda rows: int_kernels.int4_linear(rows, *layout, 64)  # noqa: E731
     else:
         q, scale = quantize_int8(weight)
-        product = lambda rows: int_kernels.int8_linear(rows, int_kernels.int8_layout(q), scale)  # noqa: E731
+        product = lambda rows: int_kernels.int8_linear(rows, int_kernels.tiled(q), scale)  # noqa: E731
     alone = torch.cat([product(x[i:i + 1]) for i in range(9)])
     for rows in range(1, 10):
         assert torch.equal(product(x[:rows]), alone[:rows]), rows
@@ -101,7 +101,7 @@ def test_the_layouts_put_each_weight_where_the_kernels_read_it():
     its rows' scales, then their lows (low = zero - 8 · scale: levels are stage 08's plus 8)."""
     torch.manual_seed(2)
     rows = torch.randint(-127, 128, (8, 96), dtype=torch.int8)
-    tiles = int_kernels.int8_layout(rows)
+    tiles = int_kernels.tiled(rows)
     t, b, c, i = torch.meshgrid(*(torch.arange(n) for n in tiles.shape), indexing="ij")
     assert torch.equal(tiles, rows[4 * t + c, 32 * b + i])
     q, scale, zero = quantize_int4(torch.randn(8, 128), 32)
@@ -120,7 +120,7 @@ def test_a_nan_input_gives_nan_outputs():
     q, scale = quantize_int8(torch.randn(4, 64))
     x = torch.randn(2, 64)
     x[1, 40] = float("nan")
-    out = int_kernels.int8_linear(x, int_kernels.int8_layout(q), scale)
+    out = int_kernels.int8_linear(x, int_kernels.tiled(q), scale)
     assert out[0].isfinite().all() and out[1].isnan().all()
     q4, s4, z4 = quantize_int4(torch.randn(4, 64), 32)
     assert int_kernels.int4_linear(x, *int_kernels.int4_layout(q4, s4, z4), 32)[1].isnan().all()
@@ -147,8 +147,8 @@ def test_each_output_is_the_same_on_any_number_of_threads():
 def test_a_mismatched_input_is_refused_with_the_widths():
     q, scale = quantize_int8(torch.randn(8, 64))
     with pytest.raises(RuntimeError, match="x has 32 columns but the weight takes 64"):
-        int_kernels.int8_linear(torch.randn(2, 32), int_kernels.int8_layout(q), scale)
-    with pytest.raises(RuntimeError, match=r"q should be contiguous .*tiles.*Fix: make it with int_kernels.int8_layout"):
+        int_kernels.int8_linear(torch.randn(2, 32), int_kernels.tiled(q), scale)
+    with pytest.raises(RuntimeError, match=r"q should be contiguous .*tiles.*Fix: make it with int_kernels.tiled"):
         int_kernels.int8_linear(torch.randn(2, 64), q, scale)  # stage 08's own (out, in) order
     q4, s4, z4 = quantize_int4(torch.randn(8, 64), 32)
     levels, pairs = int_kernels.int4_layout(q4, s4, z4)
@@ -168,7 +168,7 @@ def test_a_weight_that_is_not_whole_tiles_is_left_to_pytorch():
     assert int_kernels.fits(8, 0, 64, 36) and not int_kernels.fits(8, 0, 64, 33)
     assert int_kernels.fits(4, 32, 64, 36) and not int_kernels.fits(4, 32, 64, 33)
     with pytest.raises(ValueError, match=r"\(33, 64\) weight does not split into tiles of 4 rows.*int_kernels.fits"):
-        int_kernels.int8_layout(quantize_int8(torch.randn(33, 64))[0])
+        int_kernels.tiled(quantize_int8(torch.randn(33, 64))[0])
 
 
 def test_the_kernels_compile_inside_a_traced_function():
@@ -178,7 +178,7 @@ def test_the_kernels_compile_inside_a_traced_function():
     q, scale, zero = quantize_int4(torch.randn(64, 128), 32)
     q4, scale_low = int_kernels.int4_layout(q, scale, zero)
     q8, scale8 = quantize_int8(torch.randn(16, 64))
-    q8 = int_kernels.int8_layout(q8)
+    q8 = int_kernels.tiled(q8)
 
     def step(x: torch.Tensor) -> torch.Tensor:
         return int_kernels.int8_linear(torch.relu(int_kernels.int4_linear(x, q4, scale_low, 32)) + 1, q8, scale8)

@@ -239,7 +239,7 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& q, const at::Tenso
 // q (N/4, K/32, 4, 32) int8: per tile of four columns and block of 32 inputs, the columns' 32
 // weights one after another; scale (N,) float32, one a column.
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale) {
-    check_tiles(q, at::kChar, "int8", kBlock, "aie::int8_linear", "int8_layout");
+    check_tiles(q, at::kChar, "int8", kBlock, "aie::int8_linear", "tiled");
     const int64_t tiles = q.size(0), N = tiles * kTile, K = q.size(1) * kBlock, M = x.size(0);
     check_activations(x, K, "aie::int8_linear");
     TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.dim() == 1 && scale.numel() == N,

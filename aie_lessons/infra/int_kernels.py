@@ -7,15 +7,17 @@ on an AVX2-only AMD Zen 3, the 30 layers of an int4-g32 step took 11.5 ms in
 head streamed at 18 GB/s. Integer arithmetic does not need the conversion: the activations are
 rounded to int8 in blocks of 32 (one float scale a block, as llama.cpp's Q8_0 does), and one AVX2
 instruction multiplies 32 weight bytes by 32 activation bytes. That rounding adds an error of
-about 1 % of a product's largest output to the weights' own (tests bound it); in exchange int4
-and int8 steps read their bytes at close to the memory's speed.
+about 1 % of a product's largest output to the weights' own (tests bound it); in exchange the
+products read their bytes 2.5–2.7 times as fast as PyTorch's at one input row on that Zen 3
+(``benchmarks/int_kernels.py``, side by side), though still at half the read bandwidth or less.
 
-The weights are regrouped once, when a decoder is built (``int8_layout``, ``int4_layout``): four
+The weights are regrouped once, when a decoder is built (``tiled``, ``int4_layout``): four
 rows of a weight make a tile whose blocks of 32 columns are interleaved, so the kernel keeps four
 independent sums going for each input row while it reads one run of bytes front to back (a row
 at a time, each sum waited for the one before it; four rows read side by side in stage 08's
-order ran slower still). On the same Zen 3 that took a step's int8 weights from about half the
-measured read bandwidth to about three quarters, int4 from a third (``benchmarks/int_kernels.py``).
+order ran slower still). Against the row-at-a-time kernels, side by side on the same Zen 3, a
+pass over a step's weights took 1.11 (int8) and 1.55 (int4) times less time at one input row,
+about 1.2 times less at 4 and 16.
 A layer whose outputs are not whole tiles of four, or whose width is not whole blocks, does not
 ``fit`` and keeps PyTorch's kernel.
 
@@ -115,18 +117,14 @@ def fits(bits: int, group_size: int, in_features: int, out_features: int) -> boo
 
 def tiled(rows: torch.Tensor) -> torch.Tensor:
     """(out, in) bytes as the kernels read them, (out / 4, in / 32, 4, 32): the four rows of a
-    tile interleaved block by block, so the kernel reads a tile of four outputs as one stream."""
+    tile interleaved block by block, so the kernel reads a tile of four outputs as one stream.
+    Stage 08's int8 weight goes to ``int8_linear`` so (its per-row scales as they are);
+    ``int4_layout`` tiles its packed bytes the same way."""
     out, width = rows.shape
     if out % TILE or width % BLOCK:
         raise ValueError(f"a ({out}, {width}) weight does not split into tiles of {TILE} rows and blocks of "
                          f"{BLOCK} columns: check int_kernels.fits before choosing these kernels")
     return rows.reshape(out // TILE, TILE, width // BLOCK, BLOCK).transpose(1, 2).contiguous()
-
-
-def int8_layout(q: torch.Tensor) -> torch.Tensor:
-    """Stage 08's int8 weight (out, in) as ``int8_linear`` reads it: ``tiled``. The per-row
-    scales stay as they are."""
-    return tiled(q)
 
 
 def int4_layout(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -156,5 +154,5 @@ def int4_linear(x: torch.Tensor, q: torch.Tensor, scale_low: torch.Tensor, group
 
 
 def int8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """x (rows, in) float32 times an ``int8_layout`` weight with a float32 ``scale`` per row -> float32."""
+    """x (rows, in) float32 times a ``tiled`` int8 weight with a float32 ``scale`` per row -> float32."""
     return torch.ops.aie.int8_linear(x.float().contiguous(), q, scale.float().contiguous())
